@@ -1,0 +1,38 @@
+"""Pretrain the shapes-world MAR from scratch (the shipped base checkpoint came from this config).
+
+python -m margrpo_jax.main --config=configs/shapes_pretrain.py --workdir=runs/pretrain
+Arg ``:smoke`` shrinks everything for a seconds-long CPU check.
+"""
+import ml_collections
+
+from margrpo_jax.models import tiny
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.mode = "pretrain"
+  c.seed = 0
+  c.model = tiny.tiny_config()
+  c.data = dict(tfds_dir="")  # '' -> <workdir>/tfds
+  c.batch_size = 64
+  c.num_steps = 5000
+  c.log_every = 50
+  c.optim = dict(lr=8e-4, warmup_steps=200, decay="cosine", final_lr_frac=0.05, b1=0.9, b2=0.95, eps=1e-8,
+                 weight_decay=0.02, grad_clip=3.0)
+  c.ema_decay = 0.999
+  c.mar = dict(mask_ratio_min=0.7, mask_ratio_std=0.25, diffusion_batch_mul=2, label_drop=0.1)
+  c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0)
+  c.eval = dict(every=1000, num_prompts=128, batch_size=64, seed=0)
+  c.checkpoint = dict(every=250, keep=3)
+  if arg == "smoke":
+    c.model.text.update(width=32, depth=1, num_heads=2)
+    c.model.backbone.update(width=32, encoder_depth=1, decoder_depth=1, num_heads=2)
+    c.model.head.update(width=32, depth=1)
+    c.batch_size, c.num_steps, c.log_every = 8, 4, 2
+    c.optim.warmup_steps = 2
+    c.sampling.update(num_steps=4, diffusion_steps="5")
+    c.eval.update(every=4, num_prompts=8, batch_size=8)
+    c.checkpoint.every = 2
+  elif arg:
+    raise ValueError(f"unknown config arg {arg!r} for shapes_pretrain (known: 'smoke')")
+  return c

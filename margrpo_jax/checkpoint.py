@@ -1,0 +1,75 @@
+"""Orbax checkpoints: resumable train state (async, keeps the last few) and params-only model exports.
+
+A params-only export is a folder ``<dir>/params`` (Orbax) plus ``<dir>/model.json`` (the architecture),
+so ``load_model(dir)`` rebuilds the model without any other config.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from margrpo_jax.models import tiny
+
+
+class CheckpointError(ValueError):
+  """A checkpoint path that is missing or unreadable, with a one-sentence message."""
+
+
+def manager(directory: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
+      max_to_keep=keep, enable_async_checkpointing=async_save, create=True))
+
+
+def abstract_like(tree):
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def restore_latest(mngr: ocp.CheckpointManager, target):
+  """``(step, state)`` of the latest checkpoint restored into ``target``'s structure, or ``(None, target)``."""
+  step = mngr.latest_step()
+  if step is None:
+    return None, target
+  return step, mngr.restore(step, args=ocp.args.StandardRestore(abstract_like(target)))
+
+
+def build_model(model_cfg: ml_collections.ConfigDict, seed: int = 0):
+  return tiny.build(model_cfg, seed)
+
+
+def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dtype=None) -> str:
+  """Write a params-only export (optionally cast, e.g. to bfloat16) and its ``model.json``."""
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  if dtype is not None:
+    params = jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, params)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(directory, "params"), jax.device_get(params), force=True)
+  with open(os.path.join(directory, "model.json"), "w") as f:
+    f.write(model_cfg.to_json(indent=2, sort_keys=True))
+  return directory
+
+
+def load_model(directory: str):
+  """``(model_cfg, graphdef, params)`` of an export written by :func:`save_model`, params as float32."""
+  directory = os.path.abspath(os.path.expanduser(directory))
+  cfg_path = os.path.join(directory, "model.json")
+  if not os.path.isfile(cfg_path) or not os.path.isdir(os.path.join(directory, "params")):
+    raise CheckpointError(f"checkpoint {directory} does not exist or is not a model export "
+                          "(expected model.json and params/ inside it).")
+  with open(cfg_path) as f:
+    model_cfg = ml_collections.ConfigDict(json.load(f))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(model_cfg)))
+  target = abstract_like(nnx.to_pure_dict(state))
+  with ocp.StandardCheckpointer() as ckptr:
+    meta = ckptr.metadata(os.path.join(directory, "params"))
+    stored = getattr(meta, "item_metadata", meta)
+    target = jax.tree.map(lambda t, m: jax.ShapeDtypeStruct(t.shape, m.dtype), target, dict(stored))
+    params = ckptr.restore(os.path.join(directory, "params"), target)
+  params = jax.tree.map(lambda x: x.astype(np.float32), params)
+  return model_cfg, graphdef, params

@@ -1,0 +1,1 @@
+"""Data: the offline shapes world (prompts, metadata, renderer, splits, patch tokens)."""

@@ -1,0 +1,1 @@
+"""Diffusion processes used by the MAR diffusion heads."""

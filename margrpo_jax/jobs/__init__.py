@@ -1,0 +1,1 @@
+"""Jobs dispatched by ``margrpo_jax.main`` on ``config.mode``."""

@@ -1,0 +1,142 @@
+r"""Pretraining of the shapes-world MAR with MAR's masked objective (``config.mode = 'pretrain'``).
+
+Per image: a random order, a mask ratio ``r ~ TruncNormal(mean 1, std 0.25, [0.7, 1])``, the first
+``ceil(L r)`` tokens of the order masked. The condition is dropped to the null embedding with prob
+``label_drop`` (CFG). ``z = backbone(tokens, mask, cond)``; each token's ``(z, x_0)`` pair is repeated
+``diffusion_batch_mul`` times with independent ``t ~ U{0..999}`` and noise, and the loss is the diffusion
+loss (``MSE(eps) + VLB``) averaged over masked tokens. AdamW, warm-up + cosine, grad clipping, EMA.
+
+Training survives being killed: data and randomness depend only on ``(seed, step)``, the full state
+(params, EMA, optimizer) is checkpointed with Orbax, and rerunning the same command resumes.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from clu import metric_writers, periodic_actions
+from flax import nnx
+
+from margrpo_jax import checkpoint, generate, optim, rng
+from margrpo_jax.data import shapes, tfds_builders
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import text
+
+
+def mar_loss(model, diff: gaussian.Diffusion, mar_cfg, batch: dict, key: jax.Array):
+  """MAR's masked diffusion loss on a batch ``{'ids': (B, T), 'tokens': (B, L, C)}``."""
+  x0 = batch["tokens"]
+  b, seq_len, _ = x0.shape
+  order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(jax.random.split(rng.stream(key, "order"), b))
+  lower = (mar_cfg.mask_ratio_min - 1.0) / mar_cfg.mask_ratio_std
+  ratio = 1.0 + mar_cfg.mask_ratio_std * jax.random.truncated_normal(rng.stream(key, "ratio"), lower, 0.0, (b,))
+  num_masked = jnp.ceil(seq_len * ratio)
+  rank = jnp.argsort(order, axis=1)  # position -> place in the order
+  mask = rank < num_masked[:, None]
+  drop = jax.random.bernoulli(rng.stream(key, "label_drop"), mar_cfg.label_drop, (b,))
+  cond = jnp.where(drop[:, None, None], model.text_encoder.null(b), model.text_encoder(batch["ids"]))
+  z = model.backbone(x0, mask, cond)
+  m = mar_cfg.diffusion_batch_mul
+  t = jax.random.randint(rng.stream(key, "timestep"), (m, b, seq_len), 0, diff.num_steps)
+  noise = jax.random.normal(rng.stream(key, "noise"), (m,) + x0.shape)
+  x_t = gaussian.q_sample(diff, x0, t, noise)
+  out = model.head(x_t, t, jnp.broadcast_to(z, (m,) + z.shape))
+  per_token = gaussian.training_loss(diff, out, x0, x_t, t, noise)
+  w = jnp.broadcast_to(mask, per_token.shape).astype(jnp.float32)
+  return jnp.sum(per_token * w) / jnp.maximum(w.sum(), 1.0)
+
+
+def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
+  """One jitted update: ``state = {'step', 'params', 'ema', 'opt'}`` -> (new state, metrics)."""
+  key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
+  loss, grads = jax.value_and_grad(lambda p: mar_loss(nnx.merge(graphdef, p), diff, config.mar, batch, key))(
+      state["params"])
+  updates, opt = tx.update(grads, state["opt"], state["params"])
+  params = jax.tree.map(jnp.add, state["params"], updates)
+  new = dict(step=state["step"] + 1, params=params, opt=opt,
+             ema=optim.ema_update(state["ema"], params, config.ema_decay))
+  return new, dict(loss=loss, grad_norm=optim.global_norm(grads), param_norm=optim.global_norm(params))
+
+
+def make_batch(records: list[dict], step: int, batch_size: int, seed: int, max_len: int) -> dict:
+  """The step's batch, a pure function of ``(seed, step)``: prompts from the train split, fresh layouts."""
+  r = np.random.default_rng([seed, step])
+  mds = [records[i] for i in r.integers(len(records), size=batch_size)]
+  images = shapes.render_batch(mds, r)
+  return dict(ids=text.tokenize([m["prompt"] for m in mds], max_len), tokens=shapes.patchify(images))
+
+
+def evaluate(graphdef, params, config, records: list[dict], num: int) -> tuple[dict, np.ndarray]:
+  recs = records[:num]
+  images = generate.generate(graphdef, params, config.model, [r["prompt"] for r in recs], config.sampling,
+                             seed=config.eval.seed, batch_size=config.eval.batch_size)
+  return generate.score(images, recs), images
+
+
+def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
+  """Train (or resume) in ``workdir``; returns the final state. ``max_steps_this_run`` simulates a kill."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json(indent=2, sort_keys=True))
+  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  data_dir = config.data.tfds_dir or os.path.join(workdir, "tfds")
+  train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
+  eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
+
+  graphdef, state = nnx.split(checkpoint.build_model(config.model, config.seed))
+  params = nnx.to_pure_dict(state)
+  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), config.num_steps)
+  train_state = dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params), opt=tx.init(params))
+  mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  restored, train_state = checkpoint.restore_latest(mngr, train_state)
+  start = int(train_state["step"])
+  if restored is not None:
+    logging.info("resumed from %s at step %d", mngr.directory, start)
+  diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps)
+  step_fn = jax.jit(functools.partial(train_step, graphdef, tx, diff, config), donate_argnums=0)
+  end = config.num_steps if max_steps_this_run is None else min(config.num_steps, start + max_steps_this_run)
+  batch_fn = functools.partial(make_batch, train_recs, batch_size=config.batch_size, seed=config.seed,
+                               max_len=config.model.text.max_len)
+  progress = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
+  t0, t_last = time.time(), time.time()
+  with concurrent.futures.ThreadPoolExecutor(1) as pool, metric_writers.ensure_flushes(writer):
+    nxt = pool.submit(batch_fn, start) if start < end else None
+    for step in range(start, end):
+      batch = nxt.result()
+      nxt = pool.submit(batch_fn, step + 1) if step + 1 < end else None
+      train_state, metrics = step_fn(train_state, batch)
+      done = step + 1
+      progress(done)
+      if done % config.log_every == 0 or done == end:
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(m["loss"]):
+          raise FloatingPointError(f"pretraining loss became {m['loss']} at step {done}; the last checkpoint "
+                                   f"in {mngr.directory} is intact.")
+        m["steps_per_sec"] = config.log_every / max(time.time() - t_last, 1e-9)
+        t_last = time.time()
+        writer.write_scalars(done, m)
+        logging.info("step %d/%d loss %.4f grad_norm %.3f (%.1f min)", done, config.num_steps, m["loss"],
+                     m["grad_norm"], (time.time() - t0) / 60)
+      if done % config.checkpoint.every == 0 or done == end:
+        mngr.save(done, args=checkpoint.ocp.args.StandardSave(train_state))
+      if config.eval.every and (done % config.eval.every == 0 or done == config.num_steps):
+        num = len(eval_recs) if done == config.num_steps else config.eval.num_prompts
+        res, images = evaluate(graphdef, train_state["ema"], config, eval_recs, num)
+        writer.write_scalars(done, {"eval/strict_pass": res["strict_pass"], "eval/partial": res["partial"],
+                                    **{f"eval/strict_{k}": v for k, v in res["per_task"].items()}})
+        writer.write_images(done, {"eval/samples": generate.image_grid(images[:64], scale=2)[None]})
+        logging.info("step %d eval on %d prompts: strict %.3f partial %.3f %s", done, num, res["strict_pass"],
+                     res["partial"], res["per_task"])
+  mngr.wait_until_finished()
+  if end == config.num_steps:
+    out = checkpoint.save_model(os.path.join(workdir, "export"), train_state["ema"], config.model)
+    logging.info("exported EMA params to %s (%.1f min in total)", out, (time.time() - t0) / 60)
+  return train_state

@@ -1,0 +1,1 @@
+"""Model modules (Flax NNX): ViT blocks, the MAR backbone, text encoders and diffusion heads."""

@@ -1,0 +1,53 @@
+"""The MAR backbone: an MAE-style bidirectional encoder over [buffer + visible tokens] and a decoder over
+all positions, producing one latent ``z`` per image token for the diffusion head (MODELS.md section 1.2).
+
+Dropping masked tokens (MAR's encoder) is implemented with a key mask over all positions: the outputs at
+visible and buffer positions are identical to running the encoder on the gathered visible set, and shapes
+stay static inside ``lax`` loops. The conditioning arrives as ``buffer_size`` ready-made buffer tokens
+(class embedding broadcast for MAR, text-encoder output for the text-to-image models).
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from margrpo_jax.models.layers import Block, layer_norm, linear, normal_param
+
+
+class MARBackbone(nnx.Module):
+  def __init__(self, *, seq_len: int, token_dim: int, buffer_size: int, width: int, encoder_depth: int,
+               decoder_depth: int, num_heads: int, mlp_ratio: float = 4.0, rngs: nnx.Rngs):
+    self.seq_len, self.token_dim, self.buffer_size, self.width = seq_len, token_dim, buffer_size, width
+    n = buffer_size + seq_len
+    self.z_proj = linear(token_dim, width, rngs)
+    self.z_proj_ln = layer_norm(width, rngs)
+    self.encoder_pos_embed_learned = normal_param(rngs, (1, n, width))
+    self.encoder_blocks = nnx.List([Block(width, num_heads, mlp_ratio, rngs=rngs) for _ in range(encoder_depth)])
+    self.encoder_norm = layer_norm(width, rngs)
+    self.decoder_embed = linear(width, width, rngs)
+    self.mask_token = normal_param(rngs, (1, 1, width))
+    self.decoder_pos_embed_learned = normal_param(rngs, (1, n, width))
+    self.decoder_blocks = nnx.List([Block(width, num_heads, mlp_ratio, rngs=rngs) for _ in range(decoder_depth)])
+    self.decoder_norm = layer_norm(width, rngs)
+    self.diffusion_pos_embed_learned = normal_param(rngs, (1, seq_len, width))
+
+  def __call__(self, tokens: jax.Array, mask: jax.Array, cond: jax.Array) -> jax.Array:
+    """``tokens`` (B, L, C) canvas, ``mask`` (B, L) with 1/True = unknown, ``cond`` (B, buffer, D) -> z (B, L, D)."""
+    b = tokens.shape[0]
+    chex.assert_shape(tokens, (b, self.seq_len, self.token_dim))
+    chex.assert_shape(mask, (b, self.seq_len))
+    chex.assert_shape(cond, (b, self.buffer_size, self.width))
+    visible = jnp.concatenate([jnp.ones((b, self.buffer_size), bool), ~mask.astype(bool)], axis=1)
+    x = jnp.concatenate([cond.astype(tokens.dtype), self.z_proj(tokens)], axis=1)
+    x = self.z_proj_ln(x + self.encoder_pos_embed_learned[...])
+    for blk in self.encoder_blocks:
+      x = blk(x, visible)
+    x = self.decoder_embed(self.encoder_norm(x))
+    x = jnp.where(visible[..., None], x, self.mask_token[...].astype(x.dtype))
+    x = x + self.decoder_pos_embed_learned[...]
+    for blk in self.decoder_blocks:
+      x = blk(x)
+    x = self.decoder_norm(x)
+    return x[:, self.buffer_size:] + self.diffusion_pos_embed_learned[...]

@@ -1,0 +1,1 @@
+"""Rewards: programmatic verifiers (the shapes-world verifier, numpy and JAX)."""

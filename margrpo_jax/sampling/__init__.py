@@ -1,0 +1,1 @@
+"""The masked-autoregressive decoder: static mask schedule, CFG, ``lax`` loops and rollout records."""

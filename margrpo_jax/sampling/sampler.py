@@ -1,0 +1,181 @@
+r"""The MAR sampler: cosine mask schedule, random order per image, CFG, temperature, in one jitted loop.
+
+Per AR step ``s`` (a ``lax.scan`` over the static schedule, so compile time does not grow with ``N``):
+``z = backbone(canvas, mask, cond)`` (rows ``[cond ; uncond]`` under guidance), then the diffusion head
+samples the ``counts[s]`` tokens at positions ``order[starts[s] : starts[s] + counts[s]]`` with a
+``lax.scan`` over the respaced diffusion steps. Every step gathers a static ``K = max(counts)`` positions;
+the surplus ones are computed and discarded (``valid`` marks the real ones). Decoding the order from its
+front is equivalent in law to MAR's masking of the order's first ``n`` entries.
+
+CFG (MAR): both branches start from the same noise and are evaluated at the same state ``x``;
+``eps = eps_u + w (eps_c - eps_u)``; the variance channels stay the conditional ones.
+
+With ``record=True`` the sampler also returns a :class:`Record` with what each AR step saw and decoded,
+enough to recompute every transition's log-prob (see :func:`score_step`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from margrpo_jax import rng
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.sampling import schedule as schedule_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  num_steps: int = 16            # AR steps N
+  cfg_scale: float = 1.0         # w
+  cfg_schedule: str = "linear"   # 'linear' | 'constant'
+  temperature: float = 1.0       # tau, scales the per-step diffusion noise
+  guidance: bool | None = None   # run the [cond; uncond] branches; None: only when some step has w != 1
+
+
+@flax.struct.dataclass
+class Record:
+  """Rollout record; leading axis = AR step (N), then batch (B), K = max tokens per step, T = diff. steps."""
+  canvas: jax.Array     # (N, B, L, C) canvas given to the backbone
+  mask: jax.Array       # (N, B, L) bool, True = unknown before the step (the visibility mask given)
+  positions: jax.Array  # (N, B, K) int32 positions decoded at the step
+  valid: jax.Array      # (N, B, K) bool, False for the padded surplus positions
+  z: jax.Array          # (N, B, K, D) conditional AR latents at those positions
+  xs: jax.Array         # (N, T+1, B, K, C) diffusion states x_T, ..., x_0
+  std: jax.Array        # (N, T, B, K, C) per-element std used (sigma * temperature)
+  logp: jax.Array       # (N, T, B, K) log-prob of each transition, summed over channels
+  cfg: jax.Array        # (N,) guidance scale of each step
+  order: jax.Array      # (B, L) generation order
+
+
+def head_output(model, x, t, z_cond, z_uncond=None, scale=None):
+  """Diffusion-head output ``[eps | v]`` at state ``x``, guided when ``z_uncond`` is given."""
+  if z_uncond is None:
+    return model.head(x, t, z_cond)
+  t = t if t.shape[0] == 1 else jnp.concatenate([t, t])
+  out = model.head(jnp.concatenate([x, x]), t, jnp.concatenate([z_cond, z_uncond]))
+  out_c, out_u = jnp.split(out, 2)
+  (eps_c, v_c), (eps_u, _) = gaussian.split_output(out_c), gaussian.split_output(out_u)
+  scale = jnp.asarray(scale, eps_c.dtype)
+  return jnp.concatenate([eps_u + scale * (eps_c - eps_u), v_c], axis=-1)
+
+
+def ar_latents(model, canvas, mask, cond, null, guided: bool):
+  """Backbone latents ``(z_cond, z_uncond or None)`` for one AR step."""
+  if not guided:
+    return model.backbone(canvas, mask, cond), None
+  z = model.backbone(jnp.concatenate([canvas, canvas]), jnp.concatenate([mask, mask]),
+                     jnp.concatenate([cond, null]))
+  return tuple(jnp.split(z, 2))
+
+
+def _gather(x, idx):
+  return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key):
+  """The full ancestral chain from ``x_init`` (..., C); returns ``(x_0, xs (T+1,...), std, logp)``."""
+  js = jnp.arange(diff.num_steps - 1, -1, -1)
+  keys = jax.random.split(key, diff.num_steps)
+  timesteps = jnp.asarray(diff.timesteps, jnp.int32)
+
+  def body(x, inp):
+    j, k = inp
+    t = jnp.broadcast_to(timesteps[j], (1,) * (x.ndim - 1))  # one time embedding for all tokens
+    out = head_output(model, x, t, z_c, z_u, scale)
+    x_prev, _, std, logp = gaussian.step(diff, out, x, jnp.full(x.shape[:-1], j),
+                                         jax.random.normal(k, x.shape, x.dtype), temperature)
+    return x_prev, (x_prev, std, logp.sum(-1))
+
+  x0, (xs, std, logp) = jax.lax.scan(body, x_init, (js, keys))
+  return x0, jnp.concatenate([x_init[None], xs]), std, logp
+
+
+def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array, null: jax.Array,
+           key: jax.Array, record: bool = False):
+  """Generate token canvases (B, L, C) from buffer conditions ``cond`` / ``null`` (B, buffer, D)."""
+  bb = model.backbone
+  b, seq_len, c = cond.shape[0], bb.seq_len, bb.token_dim
+  sched = schedule_lib.cosine_schedule(seq_len, cfg.num_steps)
+  scales = schedule_lib.cfg_schedule(sched, seq_len, cfg.cfg_scale, cfg.cfg_schedule)
+  guided = cfg.guidance if cfg.guidance is not None else bool(np.any(scales != 1.0))
+  k_max = sched.max_count
+  order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(
+      jax.random.split(rng.stream(key, "order"), b)).astype(jnp.int32)
+  order_pad = jnp.concatenate([order, order[:, :k_max]], axis=1)
+  step_keys = jax.random.split(rng.stream(key, "diffusion"), cfg.num_steps)
+
+  def body(carry, inp):
+    canvas, mask = carry
+    start, count, scale, k = inp
+    z_c, z_u = ar_latents(model, canvas, mask, cond, null, guided)
+    pos = jax.lax.dynamic_slice_in_dim(order_pad, start, k_max, axis=1)
+    valid = jnp.broadcast_to(jnp.arange(k_max) < count, (b, k_max))
+    zc_sel = _gather(z_c, pos)
+    zu_sel = None if z_u is None else _gather(z_u, pos)
+    x_init = jax.random.normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype)
+    x0, xs, std, logp = run_chain(model, diff, x_init, zc_sel, zu_sel, scale, cfg.temperature,
+                                  rng.stream(k, "steps"))
+    rows = jnp.arange(b)[:, None]
+    new_canvas = canvas.at[rows, pos].set(jnp.where(valid[..., None], x0, _gather(canvas, pos)))
+    new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
+    rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel, xs=xs, std=std, logp=logp,
+                 cfg=scale, order=order) if record else None
+    return (new_canvas, new_mask), rec
+
+  init = (jnp.zeros((b, seq_len, c), jnp.float32), jnp.ones((b, seq_len), bool))
+  xs_in = (jnp.asarray(sched.starts), jnp.asarray(sched.counts), jnp.asarray(scales), step_keys)
+  (canvas, mask), rec = jax.lax.scan(body, init, xs_in)
+  chex.assert_shape(canvas, (b, seq_len, c))
+  if record:
+    rec = rec.replace(order=order)
+  return canvas, rec
+
+
+def score_step(model, diff: gaussian.Diffusion, cfg: SamplerConfig, rec: Record, step: int, cond, null,
+               guided: bool):
+  """Recompute the log-probs (T, B, K) of the recorded transitions of AR step ``step`` from the record:
+  ``z`` from the recorded canvas and mask, then every ``x_j -> x_{j-1}`` scored under the head's
+  Gaussian at the recorded std (the std is recomputed too and must agree)."""
+  r = jax.tree.map(lambda a: a[step], rec.replace(order=rec.order[None]))
+  z_c, z_u = ar_latents(model, r.canvas, r.mask, cond, null, guided)
+  zc_sel, zu_sel = _gather(z_c, r.positions), (None if z_u is None else _gather(z_u, r.positions))
+  t_count = diff.num_steps
+  js = jnp.arange(t_count - 1, -1, -1)
+  x_t, x_prev = r.xs[:-1], r.xs[1:]
+  tb = lambda a: jnp.broadcast_to(a[:, None, None], x_t.shape[:-1])
+  fold = lambda a: a.reshape((-1,) + a.shape[3:])
+  rep = lambda a: None if a is None else jnp.broadcast_to(a, (t_count,) + a.shape).reshape((-1,) + a.shape[2:])
+  out = head_output(model, fold(x_t), fold(tb(jnp.asarray(diff.timesteps)[js])), rep(zc_sel), rep(zu_sel),
+                    r.cfg)
+  mean, log_var = gaussian.mean_and_log_variance(diff, fold(x_t), fold(tb(js)), *gaussian.split_output(out))
+  std = (jnp.exp(0.5 * log_var) * cfg.temperature).reshape(x_t.shape)
+  return gaussian.gaussian_logprob(x_prev, mean.reshape(x_t.shape), std).sum(-1), std
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(graphdef, diff_key, cfg: SamplerConfig, record: bool):
+  diff = _DIFFS[diff_key]
+
+  def fn(state, ids, key):
+    model = nnx.merge(graphdef, state)
+    cond = model.text_encoder(ids)
+    return sample(model, diff, cfg, cond, model.text_encoder.null(ids.shape[0]), key, record)
+
+  return jax.jit(fn)
+
+
+_DIFFS: dict = {}
+
+
+def make_sample_fn(graphdef, diff: gaussian.Diffusion, cfg: SamplerConfig, record: bool = False):
+  """A cached jitted ``fn(state, token_ids, key) -> (tokens, record)`` for a text-conditioned model."""
+  diff_key = (diff.num_steps, tuple(int(t) for t in diff.timesteps))
+  _DIFFS.setdefault(diff_key, diff)
+  return _jitted(graphdef, diff_key, cfg, record)

@@ -1,0 +1,54 @@
+"""Static (numpy) per-step schedules of the MAR decoder, so that shapes inside the jitted loop are static.
+
+MAR's cosine schedule over ``N`` steps and ``L`` tokens: after step ``s`` the number still masked is
+``n_s = clamp(floor(L cos(pi/2 (s+1)/N)), 1, m_s - 1)`` (``m_s`` masked before the step) and 0 after the
+last step; step ``s`` decodes ``m_s - n_s`` tokens. CFG at step ``s``: ``constant`` = w, ``linear`` =
+``1 + (w - 1) (L - n_s) / L`` (Muse-style, with MAR's pre-override ``n_s`` at the last step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSchedule:
+  counts: np.ndarray   # (N,) tokens decoded at each step
+  starts: np.ndarray   # (N,) tokens already decoded before each step
+  remaining: np.ndarray  # (N,) n_s of MAR (tokens kept masked, before the last-step override)
+
+  @property
+  def num_steps(self) -> int:
+    return len(self.counts)
+
+  @property
+  def max_count(self) -> int:
+    return int(self.counts.max())
+
+
+def cosine_schedule(seq_len: int, num_steps: int) -> MaskSchedule:
+  if not 1 <= num_steps <= seq_len:
+    raise ValueError(f"num_steps={num_steps} must lie in [1, {seq_len}] for {seq_len} tokens")
+  masked, counts, remaining = seq_len, [], []
+  for s in range(num_steps):
+    n = int(math.floor(seq_len * math.cos(math.pi / 2 * (s + 1) / num_steps)))
+    n = max(1, min(masked - 1, n))
+    remaining.append(n)
+    if s == num_steps - 1:
+      n = 0
+    counts.append(masked - n)
+    masked = n
+  counts = np.array(counts, np.int32)
+  return MaskSchedule(counts=counts, starts=np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32),
+                      remaining=np.array(remaining, np.int32))
+
+
+def cfg_schedule(sched: MaskSchedule, seq_len: int, scale: float, kind: str = "linear") -> np.ndarray:
+  """Per-step guidance scale (N,), float32."""
+  if kind == "constant":
+    return np.full(sched.num_steps, scale, np.float32)
+  if kind == "linear":
+    return (1.0 + (scale - 1.0) * (seq_len - sched.remaining) / seq_len).astype(np.float32)
+  raise ValueError(f"cfg_schedule={kind!r} is not one of 'constant', 'linear'")

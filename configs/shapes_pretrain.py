@@ -21,7 +21,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                  weight_decay=0.02, grad_clip=3.0)
   c.ema_decay = 0.999
   c.mar = dict(mask_ratio_min=0.7, mask_ratio_std=0.25, diffusion_batch_mul=2, label_drop=0.1)
-  c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0)
+  c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
+                    clip_denoised=True)
   c.eval = dict(every=1000, num_prompts=128, batch_size=64, seed=0)
   c.checkpoint = dict(every=250, keep=3)
   if arg == "smoke":

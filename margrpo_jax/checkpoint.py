@@ -66,10 +66,6 @@ def load_model(directory: str):
     model_cfg = ml_collections.ConfigDict(json.load(f))
   graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(model_cfg)))
   target = abstract_like(nnx.to_pure_dict(state))
-  with ocp.StandardCheckpointer() as ckptr:
-    meta = ckptr.metadata(os.path.join(directory, "params"))
-    stored = getattr(meta, "item_metadata", meta)
-    target = jax.tree.map(lambda t, m: jax.ShapeDtypeStruct(t.shape, m.dtype), target, dict(stored))
+  with ocp.StandardCheckpointer() as ckptr:  # restores (and up-casts a bf16 export) into float32
     params = ckptr.restore(os.path.join(directory, "params"), target)
-  params = jax.tree.map(lambda x: x.astype(np.float32), params)
   return model_cfg, graphdef, params

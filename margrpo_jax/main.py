@@ -6,6 +6,7 @@ value, and a non-zero exit; nothing already saved is touched.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -43,22 +44,55 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _WORKDIR.value is None:
-    raise app.UsageError("--workdir is required.")
+    _fail("--workdir is required (the directory for checkpoints, logs and outputs).")
+  try:
+    config = _CONFIG.value
+    _ = config.mode  # the flag defers load errors to the first attribute access
+  except Exception as e:  # noqa: BLE001 - a config file that is missing or raises
+    detail = [l.strip() for l in str(e).splitlines() if l.strip()][-1]
+    _fail(f"--config could not be loaded: {detail}.")
   import jax
   jax.config.update("jax_threefry_partitionable", True)
   from margrpo_jax import checkpoint
   from margrpo_jax.data import prompt_files
   try:
-    _dispatch(_CONFIG.value, os.path.abspath(os.path.expanduser(_WORKDIR.value)))
+    _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)))
   except (UserError, checkpoint.CheckpointError, prompt_files.PromptFileError, FileNotFoundError) as e:
     logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 
 
+def _fail(msg: str):
+  print(f"error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing that turns every config / flag mistake into one sentence and exit code 2."""
+  overrides = [a for a in argv[1:] if a.startswith("--config.")]
+  try:
+    return flags.FLAGS(argv)
+  except flags.IllegalFlagValueError as e:
+    lines = [l.strip() for l in str(e).replace("flag --", "--").splitlines() if l.strip()]
+    _fail(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")
+  except (AttributeError, KeyError) as e:
+    found = re.search(r"'(\w+)", str(e))
+    name = found.group(1) if found else str(e)
+    bad = [a for a in overrides if re.search(rf"\b{re.escape(name)}\b", a.split("=")[0])] or overrides
+    hint = re.search(r'Did you mean "([^"]+)"', str(e))
+    _fail(f"{bad[0].split('=')[0] if bad else '--config'} names a key {name!r} that the config does not have"
+          + (f" (did you mean {hint.group(1)!r}?)." if hint else "."))
+  except flags.Error as e:
+    _fail(str(e).split("\n")[0].rstrip(".") + ".")
+  except Exception as e:  # noqa: BLE001 - config files are user code: report, don't trace
+    cfg = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
+    _fail(f"{cfg} could not be loaded: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}.")
+
+
 def run():
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,11 @@ class Diffusion:
         posterior_mean_coef2=(1.0 - ac_prev) * np.sqrt(1.0 - b) / (1.0 - ac),
         log_betas=np.log(b),
     )
+    # mu = coef1 * x0_hat + coef2 * x_t with x0_hat = sqrt(1/abar) x_t - sqrt(1/abar - 1) eps, folded in
+    # float64 so that float32 never forms x0_hat (~2e4 x_t at the noisiest respaced step).
+    tables["mean_coef_x"] = tables["posterior_mean_coef1"] * tables["sqrt_recip_alphas_cumprod"] + \
+        tables["posterior_mean_coef2"]
+    tables["mean_coef_eps"] = tables["posterior_mean_coef1"] * tables["sqrt_recipm1_alphas_cumprod"]
     for k, v in tables.items():
       object.__setattr__(self, k, v)
 
@@ -107,10 +112,20 @@ def split_output(out: jax.Array) -> tuple[jax.Array, jax.Array]:
   return out[..., :c], out[..., c:]
 
 
-def mean_and_log_variance(diff: Diffusion, x_t, j, eps, v):
-  """q-posterior mean from ``eps`` and the learned-range log-variance at respaced step ``j``."""
-  x0 = diff.table("sqrt_recip_alphas_cumprod", j) * x_t - diff.table("sqrt_recipm1_alphas_cumprod", j) * eps
-  mean = diff.table("posterior_mean_coef1", j) * x0 + diff.table("posterior_mean_coef2", j) * x_t
+def mean_and_log_variance(diff: Diffusion, x_t, j, eps, v, clip_denoised: bool = False):
+  """q-posterior mean from ``eps`` and the learned-range log-variance at respaced step ``j``.
+
+  Unclipped (MAR), the mean is ``c_x x_t - c_eps eps`` with the two stages (x0_hat, then the posterior
+  mean) folded into float64 coefficients: identical maths, no float32 cancellation at high noise levels.
+  ``clip_denoised`` clips ``x0_hat`` to [-1, 1] first (ADM's option; data in [-1, 1] such as the shapes
+  world's pixels): at the noisiest step ``sqrt(1/abar) ~ 2e4`` turns small eps errors into huge means.
+  """
+  if clip_denoised:
+    x0 = diff.table("sqrt_recip_alphas_cumprod", j) * x_t - diff.table("sqrt_recipm1_alphas_cumprod", j) * eps
+    x0 = jnp.clip(x0, -1.0, 1.0)
+    mean = diff.table("posterior_mean_coef1", j) * x0 + diff.table("posterior_mean_coef2", j) * x_t
+  else:
+    mean = diff.table("mean_coef_x", j) * x_t - diff.table("mean_coef_eps", j) * eps
   frac = (v + 1.0) / 2.0
   log_var = frac * diff.table("log_betas", j) + (1.0 - frac) * diff.table("posterior_log_variance_clipped", j)
   return mean, log_var
@@ -121,14 +136,14 @@ def gaussian_logprob(x, mean, std):
   return -((x - mean) ** 2) / (2.0 * std**2) - jnp.log(std) - 0.5 * math.log(2 * math.pi)
 
 
-def step(diff: Diffusion, out: jax.Array, x_t: jax.Array, j, noise: jax.Array, temperature: float = 1.0):
+def step(diff: Diffusion, out: jax.Array, x_t: jax.Array, j, noise: jax.Array, temperature: float = 1.0,
+         clip_denoised: bool = False):
   """One ancestral step ``x_j -> x_{j-1}`` given the (guided) network output.
 
   Returns ``(x_prev, mean, std, logp)`` with ``std = sigma * temperature`` (the std actually used,
   also at ``j = 0`` where no noise is added) and ``logp`` the elementwise log-density of ``x_prev``.
   """
-  eps, v = split_output(out)
-  mean, log_var = mean_and_log_variance(diff, x_t, j, eps, v)
+  mean, log_var = mean_and_log_variance(diff, x_t, j, *split_output(out), clip_denoised=clip_denoised)
   std = jnp.exp(0.5 * log_var) * temperature
   nonzero = (jnp.asarray(j) != 0).astype(x_t.dtype)[..., None]
   x_prev = mean + nonzero * std * noise

@@ -37,6 +37,7 @@ class SamplerConfig:
   cfg_schedule: str = "linear"   # 'linear' | 'constant'
   temperature: float = 1.0       # tau, scales the per-step diffusion noise
   guidance: bool | None = None   # run the [cond; uncond] branches; None: only when some step has w != 1
+  clip_denoised: bool = False    # clip x0_hat to [-1, 1] in each step (off in MAR; on for the shapes world)
 
 
 @flax.struct.dataclass
@@ -79,7 +80,7 @@ def _gather(x, idx):
   return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key):
+def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key, clip_denoised=False):
   """The full ancestral chain from ``x_init`` (..., C); returns ``(x_0, xs (T+1,...), std, logp)``."""
   js = jnp.arange(diff.num_steps - 1, -1, -1)
   keys = jax.random.split(key, diff.num_steps)
@@ -90,7 +91,7 @@ def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperat
     t = jnp.broadcast_to(timesteps[j], (1,) * (x.ndim - 1))  # one time embedding for all tokens
     out = head_output(model, x, t, z_c, z_u, scale)
     x_prev, _, std, logp = gaussian.step(diff, out, x, jnp.full(x.shape[:-1], j),
-                                         jax.random.normal(k, x.shape, x.dtype), temperature)
+                                         jax.random.normal(k, x.shape, x.dtype), temperature, clip_denoised)
     return x_prev, (x_prev, std, logp.sum(-1))
 
   x0, (xs, std, logp) = jax.lax.scan(body, x_init, (js, keys))
@@ -121,7 +122,7 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
     zu_sel = None if z_u is None else _gather(z_u, pos)
     x_init = jax.random.normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype)
     x0, xs, std, logp = run_chain(model, diff, x_init, zc_sel, zu_sel, scale, cfg.temperature,
-                                  rng.stream(k, "steps"))
+                                  rng.stream(k, "steps"), cfg.clip_denoised)
     rows = jnp.arange(b)[:, None]
     new_canvas = canvas.at[rows, pos].set(jnp.where(valid[..., None], x0, _gather(canvas, pos)))
     new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
@@ -154,7 +155,8 @@ def score_step(model, diff: gaussian.Diffusion, cfg: SamplerConfig, rec: Record,
   rep = lambda a: None if a is None else jnp.broadcast_to(a, (t_count,) + a.shape).reshape((-1,) + a.shape[2:])
   out = head_output(model, fold(x_t), fold(tb(jnp.asarray(diff.timesteps)[js])), rep(zc_sel), rep(zu_sel),
                     r.cfg)
-  mean, log_var = gaussian.mean_and_log_variance(diff, fold(x_t), fold(tb(js)), *gaussian.split_output(out))
+  mean, log_var = gaussian.mean_and_log_variance(diff, fold(x_t), fold(tb(js)), *gaussian.split_output(out),
+                                                 clip_denoised=cfg.clip_denoised)
   std = (jnp.exp(0.5 * log_var) * cfg.temperature).reshape(x_t.shape)
   return gaussian.gaussian_logprob(x_prev, mean.reshape(x_t.shape), std).sum(-1), std
 

@@ -1,0 +1,23 @@
+"""Sample a checkpoint (the shipped base by default) on the shapes eval split or a prompt file.
+
+python -m margrpo_jax.main --config=configs/shapes_sample.py --workdir=runs/sample \
+    [--config.prompt_file=prompts.jsonl] [--config.checkpoint=DIR] [--config.seed=0]
+"""
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.mode = "sample"
+  c.checkpoint = ""      # a model export dir (model.json + params/); '' = the shipped base
+  c.prompt_file = ""     # JSONL (shapes metadata, GenEval, MAR-GRPO) or TXT, one prompt per line; '' = eval split
+  c.tfds_dir = ""        # where the shapes_world TFDS split is built; '' = <workdir>/tfds
+  c.max_prompts = 0      # 0 = all
+  c.seed = 0
+  c.batch_size = 64
+  c.grid_size = 64
+  c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
+                    clip_denoised=True)
+  if arg:
+    raise ValueError(f"unknown config arg {arg!r} for shapes_sample")
+  return c

@@ -7,7 +7,6 @@ lower()+compile() of the whole jitted sampler; it must stay flat in the number o
 loop is a ``lax.scan``. Prints a table, then one JSON line with every figure.
 """
 import argparse
-import functools
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
 import shapes_pretrain  # noqa: E402
 
-from margrpo_jax import checkpoint, optim  # noqa: E402
+from margrpo_jax import checkpoint  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.diffusion import gaussian  # noqa: E402
 from margrpo_jax.jobs import pretrain  # noqa: E402
@@ -61,10 +60,8 @@ def main():
     ips = args.batch * args.repeats / (time.perf_counter() - t0)
     out["sampling"][n] = dict(compile_s=round(compile_s, 2), images_per_s=round(ips, 2))
     print(f"{n:>8} {compile_s:>10.2f} {ips:>9.2f}")
-  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), config.num_steps)
-  ts = dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params), opt=tx.init(params))
-  step = jax.jit(functools.partial(pretrain.train_step, graphdef, tx, gaussian.make_diffusion(1000), config),
-                 donate_argnums=0)
+  graphdef, tx, ts = pretrain.init_state(config)
+  step = pretrain.make_step_fn(graphdef, tx, config)
   batch = pretrain.make_batch(shapes.split_records("train", num_train=512), 0, config.batch_size, 0,
                               config.model.text.max_len)
   ts, m = step(ts, batch)

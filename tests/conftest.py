@@ -41,23 +41,13 @@ def small_model():
   eps_hat is unrelated to x_t, which blows the first posterior means up to ~1e4; a few steps make
   eps_hat track the noise, so samples, guidance and log-probs are in a realistic range.
   """
-  import functools
-
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from margrpo_jax import checkpoint, optim
   from margrpo_jax.data import shapes
-  from margrpo_jax.diffusion import gaussian
   from margrpo_jax.jobs import pretrain
   config = smoke_config()
+  config.num_steps = 40
   config.optim.update(lr=3e-3, warmup_steps=1, decay="constant")
-  graphdef, state = nnx.split(checkpoint.build_model(config.model, seed=0))
-  params = nnx.to_pure_dict(state)
-  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), 40)
-  ts = dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params), opt=tx.init(params))
-  step = jax.jit(functools.partial(pretrain.train_step, graphdef, tx, gaussian.make_diffusion(1000), config))
+  graphdef, tx, ts = pretrain.init_state(config)
+  step = pretrain.make_step_fn(graphdef, tx, config)
   recs = shapes.split_records("train", num_train=400)
   for i in range(40):
     ts, _ = step(ts, pretrain.make_batch(recs, i, 16, 0, config.model.text.max_len))

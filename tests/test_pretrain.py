@@ -1,13 +1,11 @@
 """Pretraining: the loss goes down, a killed run resumes to the same parameters, checkpoints round-trip."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from conftest import smoke_config
-from margrpo_jax import checkpoint, optim
+from margrpo_jax import checkpoint
 from margrpo_jax.data import shapes
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.jobs import pretrain
@@ -16,15 +14,12 @@ from margrpo_jax.jobs import pretrain
 def test_loss_decreases_on_a_fixed_batch():
   config = smoke_config()
   config.optim.update(lr=3e-3, warmup_steps=1, decay="constant")
-  graphdef, state = nnx.split(checkpoint.build_model(config.model, seed=0))
-  params = nnx.to_pure_dict(state)
-  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), 30)
-  ts = dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params), opt=tx.init(params))
+  graphdef, tx, ts = pretrain.init_state(config)
   batch = pretrain.make_batch(shapes.split_records("train", num_train=64), 0, 16, 0, config.model.text.max_len)
   # Evaluate the loss at a fixed key so that the comparison is not masked by mask / noise draws.
   loss_at = jax.jit(lambda p: pretrain.mar_loss(nnx.merge(graphdef, p), gaussian.make_diffusion(1000), config.mar,
                                                 batch, jax.random.key(7)))
-  step = jax.jit(functools.partial(pretrain.train_step, graphdef, tx, gaussian.make_diffusion(1000), config))
+  step = pretrain.make_step_fn(graphdef, tx, config)
   before = float(loss_at(ts["params"]))
   for _ in range(25):
     ts, metrics = step(ts, batch)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import json
 import math
 import os
 import time
@@ -54,6 +53,22 @@ def mar_loss(model, diff: gaussian.Diffusion, mar_cfg, batch: dict, key: jax.Arr
   return jnp.sum(per_token * w) / jnp.maximum(w.sum(), 1.0)
 
 
+def init_state(config, seed: int | None = None):
+  """``(graphdef, tx, state)``: a fresh model, its optimizer and the train state ``{'step', 'params', 'ema',
+  'opt'}`` (params as a pure dict; every component trainable, the schedule spanning ``config.num_steps``)."""
+  graphdef, state = nnx.split(checkpoint.build_model(config.model, config.seed if seed is None else seed))
+  params = nnx.to_pure_dict(state)
+  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), config.num_steps)
+  return graphdef, tx, dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params),
+                            opt=tx.init(params))
+
+
+def make_step_fn(graphdef, tx, config):
+  """The jitted, state-donating :func:`train_step` for ``config``."""
+  diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps)
+  return jax.jit(functools.partial(train_step, graphdef, tx, diff, config), donate_argnums=0)
+
+
 def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
   """One jitted update: ``state = {'step', 'params', 'ema', 'opt'}`` -> (new state, metrics)."""
   key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
@@ -91,17 +106,13 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
   eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
 
-  graphdef, state = nnx.split(checkpoint.build_model(config.model, config.seed))
-  params = nnx.to_pure_dict(state)
-  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), config.num_steps)
-  train_state = dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params), opt=tx.init(params))
+  graphdef, tx, train_state = init_state(config)
   mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
   restored, train_state = checkpoint.restore_latest(mngr, train_state)
   start = int(train_state["step"])
   if restored is not None:
     logging.info("resumed from %s at step %d", mngr.directory, start)
-  diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps)
-  step_fn = jax.jit(functools.partial(train_step, graphdef, tx, diff, config), donate_argnums=0)
+  step_fn = make_step_fn(graphdef, tx, config)
   end = config.num_steps if max_steps_this_run is None else min(config.num_steps, start + max_steps_this_run)
   batch_fn = functools.partial(make_batch, train_recs, batch_size=config.batch_size, seed=config.seed,
                                max_len=config.model.text.max_len)

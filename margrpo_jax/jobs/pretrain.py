@@ -90,7 +90,8 @@ def make_batch(records: list[dict], step: int, batch_size: int, seed: int, max_l
 
 
 def evaluate(graphdef, params, config, records: list[dict], num: int) -> tuple[dict, np.ndarray]:
-  recs = records[:num]
+  """Sample and verify ``num`` eval records, evenly strided so every task is represented."""
+  recs = records[::max(1, len(records) // num)][:num]
   images = generate.generate(graphdef, params, config.model, [r["prompt"] for r in recs], config.sampling,
                              seed=config.eval.seed, batch_size=config.eval.batch_size)
   return generate.score(images, recs), images

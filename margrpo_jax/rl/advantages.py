@@ -1,0 +1,30 @@
+r"""Group-relative advantages over ``G`` images per prompt (rewards laid out prompt-major, ``(P * G,)``).
+
+* ``grpo``:   ``A = (r - mean_g r) / (std_g r + eps)`` with the unbiased std (ddof 1) and eps = 1e-4, as the
+  official trainers compute it.
+* ``drgrpo``: ``A = r - mean_g r`` (Dr. GRPO: no std normalisation).
+* ``rloo``:   ``A = r - (sum_g r - r) / (G - 1)`` (leave-one-out baseline).
+
+Constant rewards within a group give exactly zero advantages (never NaN).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+KINDS = ("grpo", "drgrpo", "rloo")
+
+
+def group_advantages(rewards, group_size: int, kind: str = "grpo", eps: float = 1e-4):
+  if kind not in KINDS:
+    raise ValueError(f"advantage kind {kind!r} is not one of {', '.join(KINDS)}")
+  if group_size < 2:
+    raise ValueError(f"group_size={group_size}: group-relative advantages need at least 2 images per prompt")
+  r = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
+  mean = r.mean(axis=1, keepdims=True)
+  if kind == "grpo":
+    adv = (r - mean) / (jnp.std(r, axis=1, ddof=1, keepdims=True) + eps)
+  elif kind == "drgrpo":
+    adv = r - mean
+  else:
+    adv = r - (r.sum(axis=1, keepdims=True) - r) / (group_size - 1)
+  return adv.reshape(-1)

@@ -1,0 +1,54 @@
+r"""Which tokens get which gradient estimate: MTE uncertainty top-k and consistency-aware selection.
+
+Uncertainty (MTE, ALGORITHM.md section 6): from ``S`` final samples of the frozen head drawn from the same AR
+latent, ``u[b, l] = mean_c std_s(x0^{(s)}[b, l, c])`` (population std). ``U = topk_mask(u, frac)`` marks the
+``floor(frac * L)`` most uncertain tokens of each image (``jax.lax.top_k``: among equal values the lower
+position wins, so exactly ``floor(frac * L)`` tokens are selected, ties included).
+
+Consistency (section 7): a still-undecoded token at AR step ``i > 1`` is kept only if its tentative
+prediction moved toward the final image between steps ``i - 1`` and ``i``:
+``H = cos(xhat_i, x_fin) - cos(xhat_{i-1}, x_fin) > thresh`` (cosine over channels).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def uncertainty(samples: jax.Array) -> jax.Array:
+  """``samples`` (S, B, L, C) -> per-token uncertainty (B, L)."""
+  return jnp.std(samples, axis=0).mean(axis=-1)
+
+
+def topk_count(num_tokens: int, fraction: float) -> int:
+  """``floor(fraction * L)``, the official ``int(0.3 * 1024) = 307`` rule."""
+  return int(math.floor(fraction * num_tokens + 1e-9))
+
+
+def topk_mask(u: jax.Array, fraction: float) -> jax.Array:
+  """(B, L) bool with exactly ``topk_count(L, fraction)`` True per row, at the largest ``u``."""
+  k = topk_count(u.shape[-1], fraction)
+  if k == 0:
+    return jnp.zeros(u.shape, bool)
+  _, idx = jax.lax.top_k(u, k)
+  return jnp.zeros(u.shape, bool).at[jnp.arange(u.shape[0])[:, None], idx].set(True)
+
+
+def cosine(a: jax.Array, b: jax.Array, eps: float = 1e-8) -> jax.Array:
+  """Cosine similarity over the last axis."""
+  num = jnp.sum(a * b, axis=-1)
+  return num / jnp.maximum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1), eps)
+
+
+def moved_closer(pred: jax.Array, prev_pred: jax.Array, final: jax.Array, thresh: float = 0.0) -> jax.Array:
+  """``H`` (B, L): the tentative prediction at step i is closer (cosine) to the final token than at i - 1."""
+  return cosine(pred, final) - cosine(prev_pred, final) > thresh
+
+
+def consistency_filter(region: jax.Array, decoded: jax.Array, moved: jax.Array, step: int | jax.Array):
+  """``M' = M * clip(H * M + P, 0, 1)`` for ``step > 1`` (else ``M``): tokens decoded at the step are always
+  kept, still-undecoded ones only where ``H``. All (B, L) bool."""
+  kept = region & (moved | decoded)
+  return jnp.where(jnp.asarray(step) > 1, kept, region)

@@ -1,0 +1,55 @@
+"""Advantages and token selection (MAR-GRPO's stabilisers) on small hand-checked cases."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from margrpo_jax.rl import advantages, selection
+
+
+def test_constant_rewards_give_zero_advantages():
+  for kind in advantages.KINDS:
+    a = advantages.group_advantages(jnp.full((8,), 0.7), 4, kind)
+    assert np.all(np.isfinite(a)) and np.all(np.asarray(a) == 0.0)
+
+
+def test_advantages_by_hand():
+  r = jnp.array([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 2.0, 2.0])
+  std1 = np.std([1, 0, 0, 1], ddof=1)  # 0.57735
+  np.testing.assert_allclose(advantages.group_advantages(r, 4, "grpo")[:4],
+                             np.array([0.5, -0.5, -0.5, 0.5]) / (std1 + 1e-4), rtol=1e-6)
+  np.testing.assert_allclose(advantages.group_advantages(r, 4, "drgrpo")[4:], [1.0, -1.0, 0.0, 0.0])
+  # RLOO: r_i - mean of the other three.
+  np.testing.assert_allclose(advantages.group_advantages(r, 4, "rloo")[4:], [3 - 5 / 3, 1 - 7 / 3, 2 - 2, 2 - 2],
+                             rtol=1e-6)
+  with pytest.raises(ValueError):
+    advantages.group_advantages(r, 4, "ppo")
+
+
+def test_uncertainty_is_channel_mean_of_population_std():
+  s = jnp.array([[[[0.0, 2.0]]], [[[2.0, 2.0]]]])  # S=2, B=1, L=1, C=2
+  np.testing.assert_allclose(selection.uncertainty(s), [[0.5]])  # std over S: (1, 0) -> mean 0.5
+
+
+@pytest.mark.parametrize("frac,k", [(0.3, 19), (0.25, 16), (0.0, 0), (1.0, 64)])
+def test_topk_selects_exactly_floor_fraction_with_ties(frac, k):
+  assert selection.topk_count(64, frac) == k
+  assert selection.topk_count(1024, 0.3) == 307  # the official int(0.3 * 1024)
+  u = jnp.concatenate([jnp.zeros((2, 32)), jnp.ones((2, 32))], axis=1)  # many ties
+  u = u.at[1].set(jnp.arange(64.0)[::-1])
+  m = np.asarray(selection.topk_mask(u, frac))
+  assert (m.sum(1) == k).all()
+  if 0 < k <= 32:
+    assert m[0, 32:32 + k].all()  # ties: the lowest positions among the largest values
+    assert m[1, :k].all()          # strictly ordered row: the k largest
+
+
+def test_consistency_filter_by_hand():
+  final = jnp.array([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
+  prev = jnp.array([[[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]])
+  pred = jnp.array([[[1.0, 1.0], [0.0, 1.0], [0.0, 1.0], [1.0, 1.0]]])
+  moved = selection.moved_closer(pred, prev, final)
+  np.testing.assert_array_equal(moved, [[True, False, False, True]])  # closer, farther, equal, closer
+  region = jnp.array([[True, True, True, False]])     # still undecoded before the step
+  decoded = jnp.array([[False, False, True, False]])  # decoded at this step: always kept
+  np.testing.assert_array_equal(selection.consistency_filter(region, decoded, moved, 3), [[True, False, True, False]])
+  np.testing.assert_array_equal(selection.consistency_filter(region, decoded, moved, 1), region)

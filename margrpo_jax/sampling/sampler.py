@@ -139,26 +139,35 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
   return canvas, rec
 
 
+def transition_logp(model, diff: gaussian.Diffusion, x_t, x_prev, j, z_c, z_u=None, scale=None,
+                    temperature: float = 1.0, clip_denoised: bool = False):
+  """Score transitions ``x_t -> x_prev`` at respaced steps ``j`` under the head's Gaussian given ``z``.
+
+  Shapes: ``x_t, x_prev`` (N, ..., C), ``j`` (N, ...), ``z_c / z_u`` (N, ..., D); guided when ``z_u`` is
+  given. Returns elementwise ``(logp, mean, std)``, each (N, ..., C).
+  """
+  t = jnp.asarray(diff.timesteps, jnp.int32)[j]
+  out = head_output(model, x_t, t, z_c, z_u, scale)
+  mean, log_var = gaussian.mean_and_log_variance(diff, x_t, j, *gaussian.split_output(out),
+                                                 clip_denoised=clip_denoised)
+  std = jnp.exp(0.5 * log_var) * temperature
+  return gaussian.gaussian_logprob(x_prev, mean, std), mean, std
+
+
 def score_step(model, diff: gaussian.Diffusion, cfg: SamplerConfig, rec: Record, step: int, cond, null,
                guided: bool):
-  """Recompute the log-probs (T, B, K) of the recorded transitions of AR step ``step`` from the record:
-  ``z`` from the recorded canvas and mask, then every ``x_j -> x_{j-1}`` scored under the head's
-  Gaussian at the recorded std (the std is recomputed too and must agree)."""
+  """Recompute the log-probs (T, B, K) and stds of the recorded transitions of AR step ``step``: ``z`` from
+  the recorded canvas and mask, then every ``x_j -> x_{j-1}`` scored under the head's Gaussian."""
   r = jax.tree.map(lambda a: a[step], rec.replace(order=rec.order[None]))
   z_c, z_u = ar_latents(model, r.canvas, r.mask, cond, null, guided)
   zc_sel, zu_sel = _gather(z_c, r.positions), (None if z_u is None else _gather(z_u, r.positions))
   t_count = diff.num_steps
-  js = jnp.arange(t_count - 1, -1, -1)
-  x_t, x_prev = r.xs[:-1], r.xs[1:]
-  tb = lambda a: jnp.broadcast_to(a[:, None, None], x_t.shape[:-1])
-  fold = lambda a: a.reshape((-1,) + a.shape[3:])
-  rep = lambda a: None if a is None else jnp.broadcast_to(a, (t_count,) + a.shape).reshape((-1,) + a.shape[2:])
-  out = head_output(model, fold(x_t), fold(tb(jnp.asarray(diff.timesteps)[js])), rep(zc_sel), rep(zu_sel),
-                    r.cfg)
-  mean, log_var = gaussian.mean_and_log_variance(diff, fold(x_t), fold(tb(js)), *gaussian.split_output(out),
-                                                 clip_denoised=cfg.clip_denoised)
-  std = (jnp.exp(0.5 * log_var) * cfg.temperature).reshape(x_t.shape)
-  return gaussian.gaussian_logprob(x_prev, mean.reshape(x_t.shape), std).sum(-1), std
+  js = jnp.broadcast_to(jnp.arange(t_count - 1, -1, -1)[:, None, None], r.xs[1:].shape[:-1])
+  rep = lambda a: None if a is None else jnp.broadcast_to(a, (t_count,) + a.shape)
+  fold = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])  # (T, B, ...) -> (T B, ...)
+  logp, _, std = transition_logp(model, diff, fold(r.xs[:-1]), fold(r.xs[1:]), fold(js), fold(rep(zc_sel)),
+                                 fold(rep(zu_sel)), r.cfg, cfg.temperature, cfg.clip_denoised)
+  return logp.sum(-1).reshape(js.shape), std.reshape(r.xs[1:].shape)
 
 
 @functools.lru_cache(maxsize=None)

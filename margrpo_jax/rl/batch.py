@@ -1,0 +1,130 @@
+r"""From a recorded rollout to the loss's :class:`TrainBatch` (no gradients).
+
+For each selected AR step ``i`` (``M`` of ``N``, drawn without replacement):
+
+* the canvas and masks the step saw; ``visible`` / ``region`` are the known-before / unknown-before sets
+  (intended), or the post-step mask for both (official bug B1);
+* the main trajectory on *every* position: tokens decoded at ``i`` keep their actual rollout transitions; the
+  other still-unknown positions get the tentative chain the head draws from the step's latent (as the
+  official code does at its logged steps);
+* ``S`` MTE trajectories from the step latent (intended) or from each token's commit-time latent (official
+  A2), and the uncertainty top-k mask ``U`` from their final samples;
+* consistency-aware selection ``M'`` from the tentative predictions at ``i`` and ``i - 1``;
+* ``k`` diffusion steps (shared by all selected AR steps), excluding the deterministic last step unless
+  ``score_last_step`` (official);
+* the frozen reference's transition means and stds.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from margrpo_jax import rng
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.rl import selection
+from margrpo_jax.rl.loss import LossConfig, TrainBatch
+from margrpo_jax.sampling import sampler as sampler_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+  num_ar_steps: int = 4            # M selected AR steps per rollout
+  num_diffusion_steps: int = 8     # k diffusion steps scored per AR step
+  mte_seeds: int = 4               # S (0: no MTE)
+  topk_fraction: float = 0.3       # U = top 30 % most uncertain tokens
+  consistency: bool = True         # consistency-aware selection
+  mask_after_step: bool = False    # official B1: post-step mask for visibility and loss region
+  mte_latent: str = "step"         # 'step' (intended) | 'commit' (official A2)
+  score_last_step: bool = False    # official: also score the deterministic j = 0 transition
+
+
+def _chain(model, diff, scfg, z_c, z_u, scale, key):
+  x_init = jax.random.normal(rng.stream(key, "x_T"), z_c.shape[:-1] + (model.backbone.token_dim,))
+  _, xs, std, logp = sampler_lib.run_chain(model, diff, x_init, z_c, z_u, scale, scfg.temperature,
+                                           rng.stream(key, "steps"), scfg.clip_denoised)
+  return xs, logp
+
+
+def _decoded_mask(rec, i, seq_len):
+  b = rec.positions.shape[1]
+  return jnp.zeros((b, seq_len), bool).at[jnp.arange(b)[:, None], rec.positions[i]].max(rec.valid[i])
+
+
+def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerConfig, bcfg: BatchConfig,
+          lcfg: LossConfig, rec: sampler_lib.Record, final: jax.Array, ids: jax.Array, adv: jax.Array,
+          key: jax.Array) -> TrainBatch:
+  """The training batch of one rollout (jit this whole function; everything here is gradient-free)."""
+  n_steps, b = rec.mask.shape[:2]
+  seq_len = rec.mask.shape[-1]
+  guided = bool(scfg.guidance) if scfg.guidance is not None else True
+  cond, null = model.text_encoder(ids), model.text_encoder.null(b)
+  steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
+  t_count = diff.num_steps
+  pool = t_count if bcfg.score_last_step else t_count - 1  # list position n: x_n -> x_{n+1}, j = T - 1 - n
+  n_sel = jnp.sort(jax.random.choice(rng.stream(key, "diff_steps"), pool, (bcfg.num_diffusion_steps,),
+                                     replace=False))
+  rows = jnp.arange(b)[:, None]
+  commit_z = None
+  if bcfg.mte_seeds and bcfg.mte_latent == "commit":  # each position's AR latent at the step it was decoded
+    z_all = jnp.zeros((b, seq_len, rec.z.shape[-1]))
+    for s in range(n_steps):
+      z_all = z_all.at[rows, rec.positions[s]].set(jnp.where(rec.valid[s][..., None], rec.z[s],
+                                                              z_all[rows, rec.positions[s]]))
+    commit_z = z_all
+
+  def one_step(i, k_i):
+    canvas, unknown = rec.canvas[i], rec.mask[i]
+    decoded = _decoded_mask(rec, i, seq_len)
+    z_c, z_u = sampler_lib.ar_latents(model, canvas, unknown, cond, null, guided)
+    xs, logp = _chain(model, diff, scfg, z_c, z_u, rec.cfg[i], rng.stream(k_i, "tentative"))
+    act = lambda full, part: full.at[:, rows, rec.positions[i]].set(
+        jnp.where(rec.valid[i][(None, ...) + (None,) * (part.ndim - 3)], part, full[:, rows, rec.positions[i]]))
+    xs, logp = act(xs, rec.xs[i]), act(logp, rec.logp[i])
+    # Tentative prediction one AR step earlier, for the consistency filter.
+    ip = jnp.maximum(i - 1, 0)
+    zp_c, zp_u = sampler_lib.ar_latents(model, rec.canvas[ip], rec.mask[ip], cond, null, guided)
+    prev_xs, _ = _chain(model, diff, scfg, zp_c, zp_u, rec.cfg[ip], rng.stream(k_i, "previous"))
+    prev_final = jnp.where(rec.mask[ip][..., None], prev_xs[-1], rec.canvas[ip])
+    pred = jnp.where(unknown[..., None], xs[-1], canvas)
+    after = unknown & ~decoded
+    region = after if bcfg.mask_after_step else unknown
+    visible = ~after if bcfg.mask_after_step else ~unknown
+    keep = region
+    if bcfg.consistency:
+      keep = selection.consistency_filter(region, decoded, selection.moved_closer(pred, prev_final, final), i)
+    # MTE trajectories and the uncertainty mask.
+    if bcfg.mte_seeds:
+      zm_c, zm_u = (z_c, z_u) if bcfg.mte_latent == "step" else (commit_z, None)
+      mte = jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, rec.cfg[i], kk))(
+          jax.random.split(rng.stream(k_i, "mte"), bcfg.mte_seeds))
+      mte_xs, mte_logp = mte
+      unc = selection.topk_mask(selection.uncertainty(mte_xs[:, -1]), bcfg.topk_fraction)
+    else:
+      mte_xs = jnp.zeros((0,) + xs.shape)
+      mte_logp = jnp.zeros((0,) + logp.shape)
+      unc = jnp.zeros((b, seq_len), bool)
+    # Reference transitions at the chosen diffusion steps.
+    ref_cond = ref_model.text_encoder(ids)
+    rz_c = ref_model.backbone(canvas, ~visible, ref_cond)
+    rz_u = ref_model.backbone(canvas, ~visible, ref_model.text_encoder.null(b)) if lcfg.cfg_in_loss else None
+    x_t, x_prev = xs[n_sel], xs[n_sel + 1]
+    j = jnp.broadcast_to((t_count - 1 - n_sel)[:, None, None], x_t.shape[:-1])
+    bk = lambda z: None if z is None else jnp.broadcast_to(z, (n_sel.shape[0],) + z.shape)
+    _, ref_mean, ref_std = sampler_lib.transition_logp(
+        ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
+        lcfg.temperature, lcfg.clip_denoised)
+    return dict(canvas=canvas, visible=visible, region=region, keep=keep, uncertain=unc, j=t_count - 1 - n_sel,
+                x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean, ref_std=ref_std,
+                mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel],
+                cfg=rec.cfg[i])
+
+  keys = jax.random.split(rng.stream(key, "replay"), bcfg.num_ar_steps)
+  per = jax.lax.map(lambda a: one_step(*a), (steps, keys))
+  swap = lambda a: jnp.moveaxis(a, 0, 1)  # (M, S, ...) -> (S, M, ...)
+  return TrainBatch(ids=ids, adv=adv, cfg=per["cfg"], canvas=per["canvas"], visible=per["visible"],
+                    region=per["region"], keep=per["keep"], uncertain=per["uncertain"], j=per["j"],
+                    x_t=per["x_t"], x_prev=per["x_prev"], old_logp=per["old_logp"], ref_mean=per["ref_mean"],
+                    ref_std=per["ref_std"], mte_x_t=swap(per["mte_x_t"]), mte_x_prev=swap(per["mte_x_prev"]),
+                    mte_old_logp=swap(per["mte_old_logp"])), steps

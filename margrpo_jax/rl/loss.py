@@ -1,0 +1,130 @@
+r"""The MAR-GRPO loss (DESIGN.md "The RL algorithm as we implement it"; ALGORITHM.md sections 4 and 6-8).
+
+For each selected AR step ``i`` (leading axis M) and chosen diffusion steps ``j`` (axis k), with the AR latent
+recomputed with gradients, ``z_i = backbone(canvas_i, visible_i, prompt)``, each recorded transition is scored
+under the frozen head:
+
+    l(x_j -> x_{j-1}) = reduce_c log N(x_{j-1}; mu_head(x_j, j, z_i), sigma^2)     (channel sum | mean)
+    rho = exp(l - l_old),   q = min(rho A, clip(rho, 1 - eps, 1 + eps) A)           (PPO, per token and step)
+    qbar = (1 - U) q^{main} + U (1/S) sum_s q^{(s)}                                 (MTE on uncertain tokens)
+    policy = sum M' qbar / sum M'         KL = sum M kappa / sum M                  (unreduced sums + counts)
+    loss = -(policy - beta KL)
+
+``M`` is the loss region, ``M'`` the region after consistency-aware selection, ``U`` the top-k uncertain
+tokens. ``kappa`` is the KL between the two transition Gaussians (policy vs frozen reference) summed over
+channels, or, with ``kl='official'``, MAR-GRPO's ``exp(mu_ref - mu) - (mu_ref - mu) - 1`` per element.
+Without old log-probs (``ratio='none'``, the official code) ``rho = exp(l - stop_grad(l)) = 1`` in value and
+the gradient is ``A grad l``: REINFORCE with group advantages. Sums and counts are returned unreduced so that
+accumulating over AR steps or micro-batches gives an exact mean.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.sampling.sampler import transition_logp
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  beta: float = 0.01                # KL weight
+  clip_eps: float = 0.2             # PPO ratio clipping (0: no clipping)
+  ratio: str = "rollout"            # 'rollout': rho against the rollout log-probs | 'none': official, rho = 1
+  kl: str = "gaussian"              # 'gaussian' | 'official' (k3 form on the means, per element)
+  channel_reduction: str = "sum"    # per-token log-prob: 'sum' (Harmon) | 'mean' (NOVA) over channels
+  cfg_in_loss: bool = True          # score under the guided mean the rollout sampled from (official: False)
+  temperature: float = 1.0
+  clip_denoised: bool = False
+
+
+@flax.struct.dataclass
+class TrainBatch:
+  """What the loss needs; axes M (selected AR steps), k (diffusion steps), S (MTE trajectories)."""
+  ids: jax.Array           # (B, T_text) prompt token ids
+  adv: jax.Array           # (B,) advantages
+  cfg: jax.Array           # (M,) guidance scale of each selected step
+  canvas: jax.Array        # (M, B, L, C) canvas given to the backbone
+  visible: jax.Array       # (M, B, L) bool, visibility in the training forward
+  region: jax.Array        # (M, B, L) bool, loss region M (KL term)
+  keep: jax.Array          # (M, B, L) bool, M' (policy term; = region without consistency selection)
+  uncertain: jax.Array     # (M, B, L) bool, U (MTE estimate where True)
+  j: jax.Array             # (M, k) respaced diffusion steps
+  x_t: jax.Array           # (M, k, B, L, C) main trajectory
+  x_prev: jax.Array        # (M, k, B, L, C)
+  old_logp: jax.Array      # (M, k, B, L) per-token rollout log-probs (channel sum)
+  ref_mean: jax.Array      # (M, k, B, L, C) reference transition means
+  ref_std: jax.Array       # (M, k, B, L, C)
+  mte_x_t: jax.Array       # (S, M, k, B, L, C) MTE trajectories (S = 0: no MTE)
+  mte_x_prev: jax.Array    # (S, M, k, B, L, C)
+  mte_old_logp: jax.Array  # (S, M, k, B, L)
+
+
+def _surrogate(logp, old, adv, cfg: LossConfig):
+  """Per-token clipped surrogate ``(q, clipped)``, ``adv`` broadcast over (k, B, L) from (B,)."""
+  ref = jax.lax.stop_gradient(logp) if cfg.ratio == "none" else old
+  rho = jnp.exp(jnp.clip(logp - ref, -20.0, 20.0))
+  a = adv[None, :, None]
+  if cfg.clip_eps <= 0:
+    return rho * a, jnp.zeros(rho.shape, bool)
+  clipped = jnp.clip(rho, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+  return jnp.minimum(rho * a, clipped * a), (rho < 1.0 - cfg.clip_eps) | (rho > 1.0 + cfg.clip_eps)
+
+
+def _kl(mean, std, ref_mean, ref_std, cfg: LossConfig):
+  """Elementwise KL-like penalty (k, B, L, C), reduced over channels like the log-probs by the caller."""
+  if cfg.kl == "gaussian":  # KL(N(mean, std^2) || N(ref_mean, ref_std^2))
+    return jnp.log(ref_std / std) + (std**2 + (mean - ref_mean) ** 2) / (2 * ref_std**2) - 0.5
+  d = ref_mean - mean  # official: the k3 form applied to the means
+  return jnp.exp(d) - d - 1.0
+
+
+def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBatch, i, cond, null):
+  """Unreduced policy / KL sums and counts, and metrics, for selected AR step ``i``."""
+  pick = lambda a: a[i]
+  canvas, visible, region, keep, unc = map(pick, (batch.canvas, batch.visible, batch.region, batch.keep,
+                                                  batch.uncertain))
+  k = batch.j.shape[1]
+  z_c = model.backbone(canvas, ~visible, cond)
+  z_u = model.backbone(canvas, ~visible, null) if cfg.cfg_in_loss else None
+  bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
+  j = jnp.broadcast_to(batch.j[i][:, None, None], batch.x_t.shape[1:-1])
+  scale = batch.cfg[i] if cfg.cfg_in_loss else None
+  score = lambda xt, xp: transition_logp(model, diff, xt, xp, j, bk(z_c), bk(z_u), scale, cfg.temperature,
+                                         cfg.clip_denoised)
+  reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
+  c = batch.x_t.shape[-1]
+  old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
+  lp, mean, std = score(batch.x_t[i], batch.x_prev[i])
+  logp = reduce(lp)
+  q, clipped = _surrogate(logp, batch.old_logp[i] * old_scale, batch.adv, cfg)
+  if batch.mte_x_t.shape[0]:
+    lp_s = jax.vmap(lambda xt, xp: reduce(score(xt, xp)[0]))(batch.mte_x_t[:, i], batch.mte_x_prev[:, i])
+    q_s, _ = jax.vmap(lambda l, o: _surrogate(l, o * old_scale, batch.adv, cfg))(lp_s, batch.mte_old_logp[:, i])
+    q = jnp.where(unc[None], q_s.mean(0), q)
+  kl = reduce(_kl(mean, jax.lax.stop_gradient(std), batch.ref_mean[i], batch.ref_std[i], cfg))
+  keep_k = jnp.broadcast_to(keep[None], q.shape).astype(jnp.float32)
+  region_k = jnp.broadcast_to(region[None], kl.shape).astype(jnp.float32)
+  return dict(policy_sum=jnp.sum(keep_k * q), policy_count=keep_k.sum(), kl_sum=jnp.sum(region_k * kl),
+              kl_count=region_k.sum(), clipped_sum=jnp.sum(keep_k * clipped),
+              logp_diff_sum=jnp.sum(keep_k * jnp.abs(logp - batch.old_logp[i] * old_scale)))
+
+
+def loss_fn(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBatch, steps=None):
+  """``(loss, metrics)`` over the selected AR steps ``steps`` (default: all M), reduced as exact means."""
+  cond = model.text_encoder(batch.ids)
+  null = model.text_encoder.null(batch.ids.shape[0])
+  steps = range(batch.j.shape[0]) if steps is None else steps
+  tot = None
+  for i in steps:  # M is small (a few steps); each term is one backbone forward
+    t = step_terms(model, diff, cfg, batch, i, cond, null)
+    tot = t if tot is None else jax.tree.map(jnp.add, tot, t)
+  policy = tot["policy_sum"] / jnp.maximum(tot["policy_count"], 1.0)
+  kl = tot["kl_sum"] / jnp.maximum(tot["kl_count"], 1.0)
+  metrics = dict(policy=policy, kl=kl, clip_frac=tot["clipped_sum"] / jnp.maximum(tot["policy_count"], 1.0),
+                 logp_diff=tot["logp_diff_sum"] / jnp.maximum(tot["policy_count"], 1.0),
+                 tokens=tot["policy_count"])
+  return -(policy - cfg.beta * kl), metrics

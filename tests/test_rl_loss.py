@@ -1,0 +1,90 @@
+"""The MAR-GRPO loss on a real (small) rollout: ratio 1 at the first update, KL 0 against itself, S = 1 MTE
+equals the single-trajectory loss, gradients reach the AR backbone and never the frozen head."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import text
+from margrpo_jax.rl import batch as batch_lib
+from margrpo_jax.rl import loss as loss_lib
+from margrpo_jax.sampling import sampler as S
+
+DIFF = gaussian.make_diffusion(1000, "10")
+SCFG = S.SamplerConfig(num_steps=6, cfg_scale=2.0, cfg_schedule="constant", clip_denoised=True, guidance=True)
+LCFG = loss_lib.LossConfig(clip_denoised=True)
+PROMPTS = ["a red circle", "a red circle", "two blue squares", "two blue squares"]
+
+
+@pytest.fixture(scope="module")
+def rollout(small_model):
+  model_cfg, graphdef, params = small_model
+  ids = jnp.asarray(text.tokenize(PROMPTS, model_cfg.text.max_len))
+  final, rec = S.make_sample_fn(graphdef, DIFF, SCFG, record=True)(params, ids, jax.random.key(0))
+  adv = jnp.array([1.0, -1.0, 0.5, -0.5])
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def build(bcfg, params):
+    m = nnx.merge(graphdef, params)
+    return batch_lib.build(m, m, DIFF, SCFG, bcfg, LCFG, rec, final, ids, adv, jax.random.key(1))
+
+  return graphdef, params, build
+
+
+def _loss(graphdef, params, batch, lcfg=LCFG):
+  return jax.jit(lambda p: loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, batch))(params)
+
+
+def test_first_update_ratio_is_one_and_kl_zero(rollout):
+  graphdef, params, build = rollout
+  batch, steps = build(batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=4, mte_seeds=2), params)
+  assert batch.x_t.shape == (3, 4, 4, 64, 48) and batch.mte_x_t.shape == (2, 3, 4, 4, 64, 48)
+  assert (np.diff(np.asarray(steps)) > 0).all()
+  loss, m = _loss(graphdef, params, batch)
+  assert float(m["logp_diff"]) < 1e-3  # recomputed log-probs equal the rollout's: rho = 1
+  assert float(m["clip_frac"]) == 0.0
+  assert abs(float(m["kl"])) < 1e-5    # reference == policy
+  assert np.isfinite(float(loss)) and float(m["tokens"]) > 0
+  # Uncertain tokens: exactly floor(0.3 * 64) = 19 per image and step.
+  np.testing.assert_array_equal(np.asarray(batch.uncertain).sum(-1), 19)
+  # Loss region (intended): unknown before the step; it contains the tokens decoded at the step.
+  assert (np.asarray(batch.keep) <= np.asarray(batch.region)).all()
+  np.testing.assert_array_equal(np.asarray(batch.visible), ~np.asarray(batch.region))
+
+
+def test_mte_with_the_main_trajectory_equals_single_trajectory(rollout):
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=0), params)
+  same = batch.replace(mte_x_t=batch.x_t[None], mte_x_prev=batch.x_prev[None], mte_old_logp=batch.old_logp[None],
+                       uncertain=jnp.ones_like(batch.uncertain))
+  l1, _ = _loss(graphdef, params, batch)
+  l2, _ = _loss(graphdef, params, same)
+  np.testing.assert_allclose(l1, l2, rtol=1e-5)
+
+
+def test_gradients_reach_the_backbone_not_the_head(rollout):
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2), params)
+  policy = {k: params[k] for k in ("text_encoder", "backbone")}
+  frozen = {"head": params["head"]}
+  grads = jax.jit(jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(graphdef, {**p, **frozen}), DIFF, LCFG,
+                                                      batch)[0]))(policy)
+  assert set(grads) == {"text_encoder", "backbone"}
+  norm = lambda t: float(jnp.sqrt(sum(jnp.sum(x**2) for x in jax.tree.leaves(t))))
+  assert norm(grads["backbone"]) > 0 and norm(grads["text_encoder"]) > 0
+
+
+def test_official_switches(rollout):
+  graphdef, params, build = rollout
+  off = batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2, mask_after_step=True,
+                              mte_latent="commit", score_last_step=True)
+  batch, _ = build(off, params)
+  # B1: visibility and region both come from the post-step mask (tokens decoded at the step are "visible").
+  np.testing.assert_array_equal(np.asarray(batch.visible), ~np.asarray(batch.region))
+  lcfg = loss_lib.LossConfig(ratio="none", clip_eps=0.0, kl="official", cfg_in_loss=False, clip_denoised=True)
+  loss, m = _loss(graphdef, params, batch, lcfg)
+  assert np.isfinite(float(loss)) and float(m["clip_frac"]) == 0.0

@@ -5,6 +5,7 @@ value, and a non-zero exit; nothing already saved is touched.
 """
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import re
 import sys
@@ -14,7 +15,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
-MODES = ("pretrain", "sample")
+MODES = ("pretrain", "sample", "rl")
 
 
 class UserError(Exception):
@@ -28,6 +29,9 @@ def _dispatch(config, workdir: str):
   elif config.mode == "sample":
     from margrpo_jax.jobs import sample
     sample.run(config, workdir)
+  elif config.mode == "rl":
+    from margrpo_jax.rl import train
+    train.run(config, workdir)
   else:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
 
@@ -36,11 +40,11 @@ class _QuietOrbax:
   """Drops Orbax's per-save INFO chatter from the log (warnings and errors still show)."""
 
   def filter(self, record):
-    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+    return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
 
 
 def main(argv):
-  logging.get_absl_handler().addFilter(_QuietOrbax())
+  logging.get_absl_handler().python_handler.addFilter(_QuietOrbax())  # ABSLHandler skips its own filters
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _WORKDIR.value is None:

@@ -29,17 +29,20 @@ def path_mask(params, predicate):
       lambda p, x: bool(predicate(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), x)), params)
 
 
-def make(cfg: ml_collections.ConfigDict, params, trainable: tuple[str, ...], total_steps: int):
-  """Optimizer over the top-level components named in ``trainable`` (e.g. ('text_encoder', 'backbone'))."""
-  train_mask = path_mask(params, lambda p, x: p[0] in trainable)
-  decay_mask = path_mask(params, lambda p, x: p[0] in trainable and p[0] != "head" and x.ndim >= 2
-                         and not p[-1].endswith("pos_embed_learned") and p[-1] != "pos_embed")
+def make(cfg: ml_collections.ConfigDict, trainable: tuple[str, ...], total_steps: int):
+  """Optimizer over the top-level components named in ``trainable`` (e.g. ('text_encoder', 'backbone')).
+
+  The masks are functions of the parameter tree, so the optimizer can be built (and cached) before params.
+  """
+  train_mask = lambda params: path_mask(params, lambda p, x: p[0] in trainable)
+  frozen_mask = lambda params: jax.tree.map(lambda m: not m, train_mask(params))
+  decay_mask = lambda params: path_mask(params, lambda p, x: p[0] in trainable and p[0] != "head" and x.ndim >= 2
+                                        and not p[-1].endswith("pos_embed_learned") and p[-1] != "pos_embed")
   inner = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   mask=decay_mask))
-  return optax.chain(optax.masked(inner, train_mask), optax.masked(optax.set_to_zero(), jax.tree.map(
-      lambda m: not m, train_mask)))
+  return optax.chain(optax.masked(inner, train_mask), optax.masked(optax.set_to_zero(), frozen_mask))
 
 
 def ema_update(ema, params, decay: float):

@@ -58,7 +58,7 @@ def init_state(config, seed: int | None = None):
   'opt'}`` (params as a pure dict; every component trainable, the schedule spanning ``config.num_steps``)."""
   graphdef, state = nnx.split(checkpoint.build_model(config.model, config.seed if seed is None else seed))
   params = nnx.to_pure_dict(state)
-  tx = optim.make(config.optim, params, ("text_encoder", "backbone", "head"), config.num_steps)
+  tx = optim.make(config.optim, ("text_encoder", "backbone", "head"), config.num_steps)
   return graphdef, tx, dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params),
                             opt=tx.init(params))
 

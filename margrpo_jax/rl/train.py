@@ -1,0 +1,226 @@
+r"""The MAR-GRPO loop (``config.mode = 'rl'``): rollout -> rewards -> group advantages -> batch (MTE, token
+selection, reference) -> jitted update(s) of the AR backbone and text encoder; the diffusion head (unless
+``rl.train_head``) and the reference are separate pytrees that never reach the optimizer.
+
+Iteration ``it`` draws everything from ``fold_in(key(seed), it)`` and the prompts from ``(seed, it)``, and the
+whole train state is checkpointed: rerunning the same command resumes and ends with the same parameters.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from clu import metric_writers
+
+from margrpo_jax import checkpoint, generate, optim, rng
+from margrpo_jax.data import shapes, tfds_builders
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import text
+from margrpo_jax.rewards import registry
+from margrpo_jax.rl import advantages, batch as batch_lib, loss as loss_lib
+from margrpo_jax.sampling import sampler as sampler_lib
+from flax import nnx
+
+
+def configs_from(config):
+  """Static sampler / batch / loss configs from ``config.rl`` (fidelity 'official' sets every switch)."""
+  rl = config.rl
+  official = rl.fidelity == "official"
+  pick = lambda v, off: off if official else v
+  scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
+                                   cfg_schedule=config.sampling.cfg_schedule,
+                                   temperature=config.sampling.temperature, guidance=True,
+                                   clip_denoised=config.sampling.clip_denoised)
+  bcfg = batch_lib.BatchConfig(num_ar_steps=rl.num_ar_steps, num_diffusion_steps=rl.num_diffusion_steps,
+                               mte_seeds=rl.mte_seeds, topk_fraction=rl.topk_fraction, consistency=rl.consistency,
+                               mask_after_step=pick(rl.mask_after_step, True),
+                               mte_latent=pick(rl.mte_latent, "commit"),
+                               score_last_step=pick(rl.score_last_step, True))
+  lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=pick(rl.clip_eps, 0.0), ratio=pick(rl.ratio, "none"),
+                             kl=pick(rl.kl, "official"), channel_reduction=rl.channel_reduction,
+                             cfg_in_loss=pick(rl.cfg_in_loss, False), temperature=config.sampling.temperature,
+                             clip_denoised=config.sampling.clip_denoised)
+  return scfg, bcfg, lcfg, pick(rl.sequential_updates, True)
+
+
+def trainable_names(config) -> tuple[str, ...]:
+  return ("text_encoder", "backbone", "head") if config.rl.train_head else ("text_encoder", "backbone")
+
+
+def rl_step(graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner, state, frozen, ref, ids, adv, rec,
+            final, key):
+  """Build the batch from the rollout, then ``num_inner`` updates (or one per selected AR step when
+  ``sequential``, the official DeepSpeed behaviour). ``frozen`` / ``ref`` are never updated."""
+  policy = state["policy"]
+  model = nnx.merge(graphdef, {**frozen, **policy})
+  ref_model = nnx.merge(graphdef, {**frozen, **ref})
+  batch, _ = batch_lib.build(model, ref_model, diff, scfg, bcfg, lcfg, rec, final, ids, adv, key)
+  groups = [[i] for i in range(bcfg.num_ar_steps)] if sequential else [None]
+  metrics = []
+  for _ in range(num_inner):
+    for steps in groups:
+      def objective(p, steps=steps):
+        return loss_lib.loss_fn(nnx.merge(graphdef, {**frozen, **p}), diff, lcfg, batch, steps)
+      (loss, m), grads = jax.value_and_grad(objective, has_aux=True)(policy)
+      updates, opt = tx.update(grads, state["opt"], policy)
+      policy = jax.tree.map(jnp.add, policy, updates)
+      state = dict(step=state["step"], policy=policy, opt=opt)
+      metrics.append(dict(loss=loss, grad_norm=optim.global_norm(grads), **m))
+  out = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *metrics)
+  out["uncertain_frac"] = batch.uncertain.mean()
+  out["keep_frac"] = batch.keep.sum() / jnp.maximum(batch.region.sum(), 1)
+  return dict(step=state["step"] + 1, policy=policy, opt=state["opt"]), out
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_step(graphdef, num_train_steps, respacing, scfg, bcfg, lcfg, sequential, num_inner, optim_json, names,
+                  num_iters):
+  """``(tx, jitted rl_step)`` shared by every run in the process with the same static configuration; the
+  train state is donated, the frozen parts and the reference are plain (never donated) arguments."""
+  tx = optim.make(ml_collections.ConfigDict(json.loads(optim_json)), names, num_iters)
+  diff = gaussian.make_diffusion(num_train_steps, respacing)
+  fn = functools.partial(rl_step, graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner)
+  return tx, jax.jit(fn, donate_argnums=0)
+
+
+def _evaluate(graphdef, params, model_cfg, config, records):
+  images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in records], config.sampling,
+                             seed=config.eval.seed, batch_size=config.eval.batch_size)
+  res = generate.score(images, records)
+  return {k: res[k] for k in ("strict_pass", "partial", "noise", "per_task")}, images
+
+
+def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
+  """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
+  from margrpo_jax.jobs.sample import SHIPPED_BASE
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json(indent=2, sort_keys=True))
+  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  base_dir = config.checkpoint or SHIPPED_BASE
+  model_cfg, graphdef, params = checkpoint.load_model(base_dir)
+  data_dir = config.tfds_dir or os.path.join(workdir, "tfds")
+  train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
+  eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
+  eval_recs = eval_recs[::max(1, len(eval_recs) // config.eval.num_prompts)][:config.eval.num_prompts]
+
+  names = trainable_names(config)
+  policy = {k: params[k] for k in names}
+  frozen = {k: v for k, v in params.items() if k not in names}
+  ref = jax.tree.map(jnp.copy, policy)
+  tx, step_fn = compiled_step(graphdef, model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps,
+                              *configs_from(config), config.rl.num_inner, config.optim.to_json(), names,
+                              config.num_iters)
+  state = dict(step=jnp.int32(0), policy=policy, opt=tx.init(policy))
+  mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.save.keep)
+  restored, state = checkpoint.restore_latest(mngr, state)
+  start = int(state["step"])
+
+  diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps)
+  rollout = sampler_lib.make_sample_fn(graphdef, diff, configs_from(config)[0], record=True)
+
+  base_path = os.path.join(workdir, "base_eval.json")
+  if not os.path.exists(base_path):
+    base_eval, base_images = _evaluate(graphdef, params, model_cfg, config, eval_recs)
+    with open(base_path, "w") as f:
+      json.dump(base_eval, f)
+    np.save(os.path.join(workdir, "base_images.npy"), base_images)
+  with open(base_path) as f:
+    base_eval = json.load(f)
+  logging.info("base policy on %d eval prompts: strict %.3f partial %.3f", len(eval_recs),
+               base_eval["strict_pass"], base_eval["partial"])
+
+  hist_path = os.path.join(workdir, "metrics.jsonl")
+  history = []
+  if os.path.exists(hist_path):
+    with open(hist_path) as f:
+      history = [h for h in map(json.loads, f) if h["iter"] < start]
+  g, p = config.rl.group_size, config.rl.prompts_per_iter
+  end = config.num_iters if max_iters_this_run is None else min(config.num_iters, start + max_iters_this_run)
+  t0 = time.time()
+  for it in range(start, end):
+    r = np.random.default_rng([config.seed, it])
+    mds = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
+    ids = jnp.asarray(text.tokenize([m["prompt"] for m in mds], model_cfg.text.max_len))
+    key = jax.random.fold_in(jax.random.key(config.seed), it)
+    all_params = {**frozen, **state["policy"]}
+    final, rec = rollout(all_params, ids, rng.stream(key, "rollout"))
+    images = np.asarray(shapes.unpatchify(np.asarray(final)))
+    reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds)
+    if config.rl.get("debug_nan_iter", -1) == it:  # test hook: a non-finite reward
+      reward = reward.copy()
+      reward[0] = np.nan
+    if not np.all(np.isfinite(reward)):
+      logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, reward)
+      writer.write_scalars(it, {"skipped_nonfinite_reward": 1.0})
+      state = dict(state, step=state["step"] + 1)
+      continue
+    adv = advantages.group_advantages(reward, g, config.rl.advantage)
+    state, m = step_fn(state, frozen, ref, ids, adv, rec, final, rng.stream(key, "train"))
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    strict = parts.get("shapes_strict", registry.REWARDS["shapes_strict"](images, mds))
+    m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
+             group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))))
+    if not math.isfinite(m["loss"]):
+      raise FloatingPointError(f"RL loss became {m['loss']} at iteration {it}; checkpoints in {mngr.directory} "
+                               "are intact.")
+    history.append(dict(iter=it, **m))
+    writer.write_scalars(it + 1, m)
+    logging.info("iter %d/%d reward %.3f strict %.3f loss %.4f kl %.4f (%.1f min)", it + 1, config.num_iters,
+                 m["reward"], m["strict_pass"], m["loss"], m["kl"], (time.time() - t0) / 60)
+    if (it + 1) % config.save.every == 0 or it + 1 == end:
+      mngr.save(it + 1, args=checkpoint.ocp.args.StandardSave(state))
+      with open(hist_path, "w") as f:
+        f.writelines(json.dumps(h) + "\n" for h in history)
+  mngr.wait_until_finished()
+  if end < config.num_iters:
+    return state
+  final_params = {**frozen, **state["policy"]}
+  export = checkpoint.save_model(os.path.join(workdir, "export"), final_params, model_cfg)
+  final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs)
+  report = dict(base=base_eval, final=final_eval, checkpoint=export, iterations=config.num_iters,
+                eval_prompts=len(eval_recs))
+  with open(os.path.join(workdir, "report.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  _write_pictures(workdir, eval_recs, np.load(os.path.join(workdir, "base_images.npy")), final_images, history,
+                  report)
+  return state
+
+
+def _write_pictures(workdir, recs, before, after, history, report):
+  """Before / after grids on the same prompts and seeds, the reward / pass-rate curve, and report.md."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from margrpo_jax import visualize
+  n = min(32, len(recs))
+  for name, ims in (("before", before), ("after", after)):
+    visualize.captioned_grid(ims[:n], [r["prompt"] for r in recs[:n]]).save(os.path.join(workdir, f"{name}.png"))
+  if history:
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    it = [h["iter"] + 1 for h in history]
+    ax[0].plot(it, [h["reward"] for h in history])
+    ax[0].set(xlabel="iteration", ylabel="mean reward (partial score)")
+    ax[1].plot(it, [h["strict_pass"] for h in history])
+    ax[1].set(xlabel="iteration", ylabel="strict pass (rollouts)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "curves.png"), dpi=120)
+    plt.close(fig)
+  b, f = report["base"], report["final"]
+  md = ["# MAR-GRPO on the shapes world", "", f"{report['iterations']} iterations, "
+        f"{report['eval_prompts']} eval prompts (same prompts and seeds before and after).", "",
+        "| | strict pass | partial |", "|---|---|---|",
+        f"| base | {b['strict_pass']:.3f} | {b['partial']:.3f} |", f"| fine-tuned | {f['strict_pass']:.3f} | "
+        f"{f['partial']:.3f} |", "", f"Fine-tuned policy: `{report['checkpoint']}`", "",
+        "![before](before.png) ![after](after.png) ![curves](curves.png)"]
+  with open(os.path.join(workdir, "report.md"), "w") as fmd:
+    fmd.write("\n".join(md) + "\n")

@@ -1,7 +1,9 @@
 r"""Pretraining of the shapes-world MAR with MAR's masked objective (``config.mode = 'pretrain'``).
 
-Per image: a random order, a mask ratio ``r ~ TruncNormal(mean 1, std 0.25, [0.7, 1])``, the first
-``ceil(L r)`` tokens of the order masked. The condition is dropped to the null embedding with prob
+Per image: a random order, a mask ratio ``r``, the first ``ceil(L r)`` tokens of the order masked. ``r`` is
+MAR's ``TruncNormal(mean 1, std 0.25, [0.7, 1])`` (``mask_ratio='truncnorm'``) or MaskGIT's
+``r = cos(pi/2 u), u ~ U(0, 1)`` (``'cosine'``): exactly the masked fractions the cosine sampler visits, so
+the late, mostly-visible steps are trained too. The condition is dropped to the null embedding with prob
 ``label_drop`` (CFG). ``z = backbone(tokens, mask, cond)``; each token's ``(z, x_0)`` pair is repeated
 ``diffusion_batch_mul`` times with independent ``t ~ U{0..999}`` and noise, and the loss is the diffusion
 loss (``MSE(eps) + VLB``) averaged over masked tokens. AdamW, warm-up + cosine, grad clipping, EMA.
@@ -35,9 +37,14 @@ def mar_loss(model, diff: gaussian.Diffusion, mar_cfg, batch: dict, key: jax.Arr
   x0 = batch["tokens"]
   b, seq_len, _ = x0.shape
   order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(jax.random.split(rng.stream(key, "order"), b))
-  lower = (mar_cfg.mask_ratio_min - 1.0) / mar_cfg.mask_ratio_std
-  ratio = 1.0 + mar_cfg.mask_ratio_std * jax.random.truncated_normal(rng.stream(key, "ratio"), lower, 0.0, (b,))
-  num_masked = jnp.ceil(seq_len * ratio)
+  if mar_cfg.mask_ratio == "cosine":
+    ratio = jnp.cos(jnp.pi / 2 * jax.random.uniform(rng.stream(key, "ratio"), (b,)))
+  elif mar_cfg.mask_ratio == "truncnorm":
+    lower = (mar_cfg.mask_ratio_min - 1.0) / mar_cfg.mask_ratio_std
+    ratio = 1.0 + mar_cfg.mask_ratio_std * jax.random.truncated_normal(rng.stream(key, "ratio"), lower, 0.0, (b,))
+  else:
+    raise ValueError(f"mar.mask_ratio={mar_cfg.mask_ratio!r} is not one of 'truncnorm', 'cosine'")
+  num_masked = jnp.clip(jnp.ceil(seq_len * ratio), 1, seq_len)
   rank = jnp.argsort(order, axis=1)  # position -> place in the order
   mask = rank < num_masked[:, None]
   drop = jax.random.bernoulli(rng.stream(key, "label_drop"), mar_cfg.label_drop, (b,))
@@ -76,8 +83,9 @@ def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
       state["params"])
   updates, opt = tx.update(grads, state["opt"], state["params"])
   params = jax.tree.map(jnp.add, state["params"], updates)
-  new = dict(step=state["step"] + 1, params=params, opt=opt,
-             ema=optim.ema_update(state["ema"], params, config.ema_decay))
+  n = state["step"].astype(jnp.float32)
+  decay = jnp.minimum(config.ema_decay, (1.0 + n) / (10.0 + n))  # EMA warm-up: early EMAs forget the init
+  new = dict(step=state["step"] + 1, params=params, opt=opt, ema=optim.ema_update(state["ema"], params, decay))
   return new, dict(loss=loss, grad_norm=optim.global_norm(grads), param_norm=optim.global_norm(params))
 
 

@@ -16,22 +16,45 @@ from flax import nnx
 from margrpo_jax.models.layers import Block, layer_norm, linear, normal_param
 
 
+def sincos_2d(grid: int, dim: int) -> jax.Array:
+  """MAE's fixed 2D sin-cos table (grid^2, dim): half the channels encode the row, half the column."""
+  def one_d(pos, d):
+    omega = 1.0 / 10000 ** (jnp.arange(d // 2, dtype=jnp.float32) / (d / 2))
+    out = pos[:, None] * omega[None]
+    return jnp.concatenate([jnp.sin(out), jnp.cos(out)], axis=1)
+  rows, cols = jnp.meshgrid(jnp.arange(grid, dtype=jnp.float32), jnp.arange(grid, dtype=jnp.float32), indexing="ij")
+  return jnp.concatenate([one_d(rows.reshape(-1), dim // 2), one_d(cols.reshape(-1), dim // 2)], axis=1)
+
+
+def _pos_param(rngs, buffer_size, seq_len, width, init):
+  """Learned position table (1, buffer + L, D): MAR's N(0, 0.02) init, or (``'sincos'``) image positions
+  started from the 2D sin-cos table so that positions are distinguishable from step 0 (training from
+  scratch: MAR's tiny init leaves visible tokens' positions drowned by their content after the LayerNorm)."""
+  p = normal_param(rngs, (1, buffer_size + seq_len, width))
+  if init == "sincos":
+    grid = int(round(seq_len ** 0.5))
+    p = nnx.Param(p[...].at[0, buffer_size:].set(sincos_2d(grid, width)))
+  elif init != "normal":
+    raise ValueError(f"pos_init={init!r} is not one of 'normal', 'sincos'")
+  return p
+
+
 class MARBackbone(nnx.Module):
   def __init__(self, *, seq_len: int, token_dim: int, buffer_size: int, width: int, encoder_depth: int,
-               decoder_depth: int, num_heads: int, mlp_ratio: float = 4.0, rngs: nnx.Rngs):
+               decoder_depth: int, num_heads: int, mlp_ratio: float = 4.0, pos_init: str = "normal",
+               rngs: nnx.Rngs):
     self.seq_len, self.token_dim, self.buffer_size, self.width = seq_len, token_dim, buffer_size, width
-    n = buffer_size + seq_len
     self.z_proj = linear(token_dim, width, rngs)
     self.z_proj_ln = layer_norm(width, rngs)
-    self.encoder_pos_embed_learned = normal_param(rngs, (1, n, width))
+    self.encoder_pos_embed_learned = _pos_param(rngs, buffer_size, seq_len, width, pos_init)
     self.encoder_blocks = nnx.List([Block(width, num_heads, mlp_ratio, rngs=rngs) for _ in range(encoder_depth)])
     self.encoder_norm = layer_norm(width, rngs)
     self.decoder_embed = linear(width, width, rngs)
     self.mask_token = normal_param(rngs, (1, 1, width))
-    self.decoder_pos_embed_learned = normal_param(rngs, (1, n, width))
+    self.decoder_pos_embed_learned = _pos_param(rngs, buffer_size, seq_len, width, pos_init)
     self.decoder_blocks = nnx.List([Block(width, num_heads, mlp_ratio, rngs=rngs) for _ in range(decoder_depth)])
     self.decoder_norm = layer_norm(width, rngs)
-    self.diffusion_pos_embed_learned = normal_param(rngs, (1, seq_len, width))
+    self.diffusion_pos_embed_learned = nnx.Param(_pos_param(rngs, 0, seq_len, width, pos_init)[...])
 
   def __call__(self, tokens: jax.Array, mask: jax.Array, cond: jax.Array) -> jax.Array:
     """``tokens`` (B, L, C) canvas, ``mask`` (B, L) with 1/True = unknown, ``cond`` (B, buffer, D) -> z (B, L, D)."""

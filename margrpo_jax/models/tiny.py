@@ -19,7 +19,7 @@ def tiny_config() -> ml_collections.ConfigDict:
       family="tiny",
       seq_len=64, token_dim=48,
       text=dict(max_len=12, width=128, depth=2, num_heads=4),
-      backbone=dict(width=128, encoder_depth=3, decoder_depth=3, num_heads=4, mlp_ratio=4.0),
+      backbone=dict(width=128, encoder_depth=3, decoder_depth=3, num_heads=4, mlp_ratio=4.0, pos_init="sincos"),
       head=dict(width=128, depth=3),
       diffusion=dict(num_train_steps=1000, sampling_steps="25"),
   ))

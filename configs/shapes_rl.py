@@ -54,6 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                  weight_decay=0.0, grad_clip=1.0)
   c.eval = dict(num_prompts=128, batch_size=64, seed=0)
   c.save = dict(every=5, keep=3)  # train-state checkpoints (Orbax, async) every N iterations
+  c.log_images_every = 10         # TensorBoard grid of the rollouts every N iterations
   if variant != "margrpo":
     c.rl.consistency = False
   if variant in ("grpo", "frozen_head"):

@@ -41,9 +41,12 @@ def _loss(graphdef, params, batch, lcfg=LCFG):
 
 def test_first_update_ratio_is_one_and_kl_zero(rollout):
   graphdef, params, build = rollout
-  batch, steps = build(batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=4, mte_seeds=2), params)
-  assert batch.x_t.shape == (3, 4, 4, 64, 48) and batch.mte_x_t.shape == (2, 3, 4, 4, 64, 48)
-  assert (np.diff(np.asarray(steps)) > 0).all()
+  batch, info = build(batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=4, mte_seeds=2), params)
+  assert batch.x_t.shape == (3, 4, 4, 64, 48) and batch.mte_x_t.shape == (2, 3, 4, 4, 19, 48)  # K = 19 MTE tokens
+  assert (np.diff(np.asarray(info["steps"])) > 0).all()
+  # U holds the largest per-token MTE std of each image: its smallest entry >= every unselected one.
+  u, unc = np.asarray(info["uncertainty"]), np.asarray(batch.uncertain)
+  assert (np.where(unc, u, np.inf).min(-1) >= np.where(unc, -np.inf, u).max(-1)).all()
   loss, m = _loss(graphdef, params, batch)
   assert float(m["logp_diff"]) < 1e-3  # recomputed log-probs equal the rollout's: rho = 1
   assert float(m["clip_frac"]) == 0.0
@@ -59,11 +62,31 @@ def test_first_update_ratio_is_one_and_kl_zero(rollout):
 def test_mte_with_the_main_trajectory_equals_single_trajectory(rollout):
   graphdef, params, build = rollout
   batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=0), params)
+  every = jnp.broadcast_to(jnp.arange(batch.uncertain.shape[-1], dtype=jnp.int32), batch.uncertain.shape)
   same = batch.replace(mte_x_t=batch.x_t[None], mte_x_prev=batch.x_prev[None], mte_old_logp=batch.old_logp[None],
-                       uncertain=jnp.ones_like(batch.uncertain))
+                       uncertain=jnp.ones_like(batch.uncertain), uncertain_idx=every)
   l1, _ = _loss(graphdef, params, batch)
   l2, _ = _loss(graphdef, params, same)
   np.testing.assert_allclose(l1, l2, rtol=1e-5)
+
+
+def test_mte_on_gathered_topk_tokens_scatters_back_to_their_positions(rollout):
+  """MTE trajectories are kept for the K uncertain tokens only; S = 1 copies of the main trajectory at those
+  positions must reproduce the single-trajectory loss exactly (gather and scatter agree)."""
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2), params)
+  idx = batch.uncertain_idx  # (M, B, K), K = 19 < L = 64
+  assert idx.shape[-1] == 19 and len(set(np.asarray(idx)[0, 0].tolist())) == 19
+  take = lambda a: jnp.take_along_axis(a, idx[:, None].reshape(idx[:, None].shape + (1,) * (a.ndim - 4)),
+                                       axis=3)[None]  # (M, k, B, L[, C]) -> (1, M, k, B, K[, C])
+  copy = batch.replace(mte_x_t=take(batch.x_t), mte_x_prev=take(batch.x_prev), mte_old_logp=take(batch.old_logp))
+  single = batch.replace(mte_x_t=batch.mte_x_t[:0], mte_x_prev=batch.mte_x_prev[:0],
+                         mte_old_logp=batch.mte_old_logp[:0])
+  grad = lambda b: jax.jit(jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, LCFG, b)[0]))(params)
+  flat = lambda b: np.concatenate([np.ravel(x) for x in jax.tree.leaves(grad(b)["backbone"])])
+  g_copy, g_single, g_mte = flat(copy), flat(single), flat(batch)
+  np.testing.assert_allclose(g_copy, g_single, rtol=1e-4, atol=1e-7)
+  assert np.abs(g_mte - g_single).max() > 1e-3 * np.abs(g_single).max()  # real MTE trajectories do differ
 
 
 def test_gradients_reach_the_backbone_not_the_head(rollout):

@@ -54,8 +54,9 @@ def _decoded_mask(rec, i, seq_len):
 
 def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerConfig, bcfg: BatchConfig,
           lcfg: LossConfig, rec: sampler_lib.Record, final: jax.Array, ids: jax.Array, adv: jax.Array,
-          key: jax.Array) -> TrainBatch:
-  """The training batch of one rollout (jit this whole function; everything here is gradient-free)."""
+          key: jax.Array) -> tuple[TrainBatch, dict]:
+  """The training batch of one rollout and ``{'steps': (M,) selected AR steps, 'uncertainty': (M, B, L) per-token
+  MTE std (zeros without MTE)}`` (jit this whole function; everything here is gradient-free)."""
   n_steps, b = rec.mask.shape[:2]
   seq_len = rec.mask.shape[-1]
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
@@ -94,17 +95,22 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     keep = region
     if bcfg.consistency:
       keep = selection.consistency_filter(region, decoded, selection.moved_closer(pred, prev_final, final), i)
-    # MTE trajectories and the uncertainty mask.
+    # MTE trajectories and the uncertainty top-k. Only the K uncertain tokens' trajectories are kept (the loss
+    # uses the MTE estimate nowhere else), gathered to (S, T + 1, B, K, C).
     if bcfg.mte_seeds:
       zm_c, zm_u = (z_c, z_u) if bcfg.mte_latent == "step" else (commit_z, None)
-      mte = jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, rec.cfg[i], kk))(
+      mte_xs, mte_logp = jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, rec.cfg[i], kk))(
           jax.random.split(rng.stream(k_i, "mte"), bcfg.mte_seeds))
-      mte_xs, mte_logp = mte
-      unc = selection.topk_mask(selection.uncertainty(mte_xs[:, -1]), bcfg.topk_fraction)
+      u = selection.uncertainty(mte_xs[:, -1])
+      idx = selection.topk_indices(u, bcfg.topk_fraction)
+      take = lambda a: jnp.take_along_axis(a, idx.reshape((1, 1) + idx.shape + (1,) * (a.ndim - 4)), axis=3)
+      mte_xs, mte_logp = take(mte_xs), take(mte_logp)
     else:
-      mte_xs = jnp.zeros((0,) + xs.shape)
-      mte_logp = jnp.zeros((0,) + logp.shape)
-      unc = jnp.zeros((b, seq_len), bool)
+      idx = jnp.zeros((b, 0), jnp.int32)
+      mte_xs = jnp.zeros((0,) + xs.shape[:2] + (0,) + xs.shape[3:])
+      mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
+      u = jnp.zeros((b, seq_len))
+    unc = selection.indices_to_mask(idx, seq_len)
     # Reference transitions at the chosen diffusion steps.
     ref_cond = ref_model.text_encoder(ids)
     rz_c = ref_model.backbone(canvas, ~visible, ref_cond)
@@ -115,16 +121,17 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     _, ref_mean, ref_std = sampler_lib.transition_logp(
         ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
         lcfg.temperature, lcfg.clip_denoised)
-    return dict(canvas=canvas, visible=visible, region=region, keep=keep, uncertain=unc, j=t_count - 1 - n_sel,
+    return dict(canvas=canvas, visible=visible, region=region, keep=keep, uncertain=unc, uncertain_idx=idx, j=t_count - 1 - n_sel,
                 x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean, ref_std=ref_std,
                 mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel],
-                cfg=rec.cfg[i])
+                cfg=rec.cfg[i], u=u)
 
   keys = jax.random.split(rng.stream(key, "replay"), bcfg.num_ar_steps)
   per = jax.lax.map(lambda a: one_step(*a), (steps, keys))
   swap = lambda a: jnp.moveaxis(a, 0, 1)  # (M, S, ...) -> (S, M, ...)
   return TrainBatch(ids=ids, adv=adv, cfg=per["cfg"], canvas=per["canvas"], visible=per["visible"],
-                    region=per["region"], keep=per["keep"], uncertain=per["uncertain"], j=per["j"],
+                    region=per["region"], keep=per["keep"], uncertain=per["uncertain"],
+                    uncertain_idx=per["uncertain_idx"], j=per["j"],
                     x_t=per["x_t"], x_prev=per["x_prev"], old_logp=per["old_logp"], ref_mean=per["ref_mean"],
                     ref_std=per["ref_std"], mte_x_t=swap(per["mte_x_t"]), mte_x_prev=swap(per["mte_x_prev"]),
-                    mte_old_logp=swap(per["mte_old_logp"])), steps
+                    mte_old_logp=swap(per["mte_old_logp"])), dict(steps=steps, uncertainty=per["u"])

@@ -52,15 +52,16 @@ class TrainBatch:
   region: jax.Array        # (M, B, L) bool, loss region M (KL term)
   keep: jax.Array          # (M, B, L) bool, M' (policy term; = region without consistency selection)
   uncertain: jax.Array     # (M, B, L) bool, U (MTE estimate where True)
+  uncertain_idx: jax.Array  # (M, B, K) positions of U (K = floor(topk_fraction * L); 0 without MTE)
   j: jax.Array             # (M, k) respaced diffusion steps
   x_t: jax.Array           # (M, k, B, L, C) main trajectory
   x_prev: jax.Array        # (M, k, B, L, C)
   old_logp: jax.Array      # (M, k, B, L) per-token rollout log-probs (channel sum)
   ref_mean: jax.Array      # (M, k, B, L, C) reference transition means
   ref_std: jax.Array       # (M, k, B, L, C)
-  mte_x_t: jax.Array       # (S, M, k, B, L, C) MTE trajectories (S = 0: no MTE)
-  mte_x_prev: jax.Array    # (S, M, k, B, L, C)
-  mte_old_logp: jax.Array  # (S, M, k, B, L)
+  mte_x_t: jax.Array       # (S, M, k, B, K, C) MTE trajectories of the U tokens (S = 0: no MTE)
+  mte_x_prev: jax.Array    # (S, M, k, B, K, C)
+  mte_old_logp: jax.Array  # (S, M, k, B, K)
 
 
 def _surrogate(logp, old, adv, cfg: LossConfig):
@@ -90,21 +91,26 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
   k = batch.j.shape[1]
   z_c = model.backbone(canvas, ~visible, cond)
   z_u = model.backbone(canvas, ~visible, null) if cfg.cfg_in_loss else None
-  bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
-  j = jnp.broadcast_to(batch.j[i][:, None, None], batch.x_t.shape[1:-1])
   scale = batch.cfg[i] if cfg.cfg_in_loss else None
-  score = lambda xt, xp: transition_logp(model, diff, xt, xp, j, bk(z_c), bk(z_u), scale, cfg.temperature,
-                                         cfg.clip_denoised)
   reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
+
+  def score(xt, xp, zc, zu):  # (k, B, N, C) transitions under latents (B, N, D) -> per-element logp, mean, std
+    j = jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
+    bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
+    return transition_logp(model, diff, xt, xp, j, bk(zc), bk(zu), scale, cfg.temperature, cfg.clip_denoised)
+
   c = batch.x_t.shape[-1]
   old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
-  lp, mean, std = score(batch.x_t[i], batch.x_prev[i])
+  lp, mean, std = score(batch.x_t[i], batch.x_prev[i], z_c, z_u)
   logp = reduce(lp)
   q, clipped = _surrogate(logp, batch.old_logp[i] * old_scale, batch.adv, cfg)
-  if batch.mte_x_t.shape[0]:
-    lp_s = jax.vmap(lambda xt, xp: reduce(score(xt, xp)[0]))(batch.mte_x_t[:, i], batch.mte_x_prev[:, i])
+  if batch.mte_x_t.shape[0] and batch.uncertain_idx.shape[-1]:  # MTE on the K uncertain tokens only
+    idx = batch.uncertain_idx[i]
+    take = lambda z: None if z is None else jnp.take_along_axis(z, idx[..., None], axis=1)
+    lp_s = jax.vmap(lambda xt, xp: reduce(score(xt, xp, take(z_c), take(z_u))[0]))(batch.mte_x_t[:, i],
+                                                                                  batch.mte_x_prev[:, i])
     q_s, _ = jax.vmap(lambda l, o: _surrogate(l, o * old_scale, batch.adv, cfg))(lp_s, batch.mte_old_logp[:, i])
-    q = jnp.where(unc[None], q_s.mean(0), q)
+    q = q.at[:, jnp.arange(idx.shape[0])[:, None], idx].set(q_s.mean(0))
   kl = reduce(_kl(mean, jax.lax.stop_gradient(std), batch.ref_mean[i], batch.ref_std[i], cfg))
   keep_k = jnp.broadcast_to(keep[None], q.shape).astype(jnp.float32)
   region_k = jnp.broadcast_to(region[None], kl.shape).astype(jnp.float32)

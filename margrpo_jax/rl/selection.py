@@ -27,13 +27,22 @@ def topk_count(num_tokens: int, fraction: float) -> int:
   return int(math.floor(fraction * num_tokens + 1e-9))
 
 
-def topk_mask(u: jax.Array, fraction: float) -> jax.Array:
-  """(B, L) bool with exactly ``topk_count(L, fraction)`` True per row, at the largest ``u``."""
+def topk_indices(u: jax.Array, fraction: float) -> jax.Array:
+  """(B, K) int32 positions of the ``K = topk_count(L, fraction)`` largest ``u`` of each row (``lax.top_k``)."""
   k = topk_count(u.shape[-1], fraction)
   if k == 0:
-    return jnp.zeros(u.shape, bool)
-  _, idx = jax.lax.top_k(u, k)
-  return jnp.zeros(u.shape, bool).at[jnp.arange(u.shape[0])[:, None], idx].set(True)
+    return jnp.zeros(u.shape[:-1] + (0,), jnp.int32)
+  return jax.lax.top_k(u, k)[1].astype(jnp.int32)
+
+
+def indices_to_mask(idx: jax.Array, length: int) -> jax.Array:
+  """(B, K) positions -> (B, L) bool."""
+  return jnp.zeros((idx.shape[0], length), bool).at[jnp.arange(idx.shape[0])[:, None], idx].set(True)
+
+
+def topk_mask(u: jax.Array, fraction: float) -> jax.Array:
+  """(B, L) bool with exactly ``topk_count(L, fraction)`` True per row, at the largest ``u``."""
+  return indices_to_mask(topk_indices(u, fraction), u.shape[-1])
 
 
 def cosine(a: jax.Array, b: jax.Array, eps: float = 1e-8) -> jax.Array:

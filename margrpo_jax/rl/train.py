@@ -7,6 +7,7 @@ whole train state is checkpointed: rerunning the same command resumes and ends w
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -55,15 +56,18 @@ def trainable_names(config) -> tuple[str, ...]:
   return ("text_encoder", "backbone", "head") if config.rl.train_head else ("text_encoder", "backbone")
 
 
-def rl_step(graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner, state, frozen, ref, ids, adv, rec,
-            final, key):
-  """Build the batch from the rollout, then ``num_inner`` updates (or one per selected AR step when
-  ``sequential``, the official DeepSpeed behaviour). ``frozen`` / ``ref`` are never updated."""
-  policy = state["policy"]
+def build_batch(graphdef, diff, scfg, bcfg, lcfg, policy, frozen, ref, ids, adv, rec, final, key):
+  """The gradient-free half of an update: the :class:`TrainBatch` (MTE chains, selection, reference)."""
   model = nnx.merge(graphdef, {**frozen, **policy})
   ref_model = nnx.merge(graphdef, {**frozen, **ref})
-  batch, _ = batch_lib.build(model, ref_model, diff, scfg, bcfg, lcfg, rec, final, ids, adv, key)
-  groups = [[i] for i in range(bcfg.num_ar_steps)] if sequential else [None]
+  return batch_lib.build(model, ref_model, diff, scfg, bcfg, lcfg, rec, final, ids, adv, key)
+
+
+def update(graphdef, tx, diff, lcfg, sequential, num_inner, state, frozen, batch):
+  """The loss-and-update half: ``num_inner`` optimizer steps on ``batch`` (or one per selected AR step when
+  ``sequential``, the official DeepSpeed behaviour); ``frozen`` never reaches the optimizer."""
+  policy = state["policy"]
+  groups = [[i] for i in range(batch.j.shape[0])] if sequential else [None]
   metrics = []
   for _ in range(num_inner):
     for steps in groups:
@@ -74,10 +78,21 @@ def rl_step(graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner, state, 
       policy = jax.tree.map(jnp.add, policy, updates)
       state = dict(step=state["step"], policy=policy, opt=opt)
       metrics.append(dict(loss=loss, grad_norm=optim.global_norm(grads), **m))
-  out = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *metrics)
+  return dict(state, step=state["step"] + 1), jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *metrics)
+
+
+def rl_step(graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner, state, frozen, ref, ids, adv, rec,
+            final, key):
+  """:func:`build_batch` then :func:`update`, plus the uncertainty statistics. ``frozen`` / ``ref`` are never
+  updated."""
+  batch, info = build_batch(graphdef, diff, scfg, bcfg, lcfg, state["policy"], frozen, ref, ids, adv, rec, final,
+                            key)
+  state, out = update(graphdef, tx, diff, lcfg, sequential, num_inner, state, frozen, batch)
   out["uncertain_frac"] = batch.uncertain.mean()
-  out["keep_frac"] = batch.keep.sum() / jnp.maximum(batch.region.sum(), 1)
-  return dict(step=state["step"] + 1, policy=policy, opt=state["opt"]), out
+  masked_mean = lambda x, m: jnp.sum(x * m) / jnp.maximum(m.sum(), 1)
+  out["uncertainty_mean"] = masked_mean(info["uncertainty"], batch.region)    # MTE std over the loss region
+  out["uncertainty_topk_mean"] = masked_mean(info["uncertainty"], batch.uncertain)  # ... over U
+  return state, out
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,34 +113,71 @@ def _evaluate(graphdef, params, model_cfg, config, records):
   return {k: res[k] for k in ("strict_pass", "partial", "noise", "per_task")}, images
 
 
+@dataclasses.dataclass
+class Setup:
+  """Everything static about an RL run: the base model split into the trained ``policy`` and the ``frozen``
+  rest, the frozen reference, the optimizer, the jitted update ``step_fn`` and the recording ``rollout_fn``."""
+  model_cfg: ml_collections.ConfigDict
+  graphdef: object
+  params: dict
+  policy: dict
+  frozen: dict
+  ref: dict
+  tx: object
+  step_fn: object
+  rollout_fn: object
+  diff: gaussian.Diffusion
+  static: tuple  # (SamplerConfig, BatchConfig, LossConfig, sequential) from :func:`configs_from`
+
+  def init_state(self) -> dict:
+    return dict(step=jnp.int32(0), policy=self.policy, opt=self.tx.init(self.policy))
+
+
+def setup(config, base_dir: str | None = None) -> Setup:
+  """Load ``base_dir`` (default: ``config.checkpoint`` or the shipped base) and build the static parts."""
+  from margrpo_jax.jobs.sample import SHIPPED_BASE
+  model_cfg, graphdef, params = checkpoint.load_model(base_dir or config.checkpoint or SHIPPED_BASE)
+  names = trainable_names(config)
+  policy = {k: params[k] for k in names}
+  frozen = {k: v for k, v in params.items() if k not in names}
+  static = configs_from(config)
+  tx, step_fn = compiled_step(graphdef, model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps,
+                              *static, config.rl.num_inner, config.optim.to_json(), names, config.num_iters)
+  diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps)
+  rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static[0], record=True)
+  return Setup(model_cfg, graphdef, params, policy, frozen, jax.tree.map(jnp.copy, policy), tx, step_fn,
+               rollout_fn, diff, static)
+
+
+def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> dict:
+  """Iteration ``it``'s rollout: ``prompts_per_iter`` train prompts x ``group_size`` images, recorded, decoded
+  and rewarded. Everything is a function of ``(config.seed, it)``."""
+  g, p = config.rl.group_size, config.rl.prompts_per_iter
+  r = np.random.default_rng([config.seed, it])
+  mds = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
+  ids = jnp.asarray(text.tokenize([m["prompt"] for m in mds], s.model_cfg.text.max_len))
+  key = jax.random.fold_in(jax.random.key(config.seed), it)
+  final, rec = s.rollout_fn({**s.frozen, **policy}, ids, rng.stream(key, "rollout"))
+  images = np.asarray(shapes.unpatchify(np.asarray(final)))
+  reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds)
+  return dict(mds=mds, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
+
+
 def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
-  from margrpo_jax.jobs.sample import SHIPPED_BASE
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json(indent=2, sort_keys=True))
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
-  base_dir = config.checkpoint or SHIPPED_BASE
-  model_cfg, graphdef, params = checkpoint.load_model(base_dir)
+  s = setup(config)
+  model_cfg, graphdef, params, frozen = s.model_cfg, s.graphdef, s.params, s.frozen
   data_dir = config.tfds_dir or os.path.join(workdir, "tfds")
   train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
   eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
   eval_recs = eval_recs[::max(1, len(eval_recs) // config.eval.num_prompts)][:config.eval.num_prompts]
-
-  names = trainable_names(config)
-  policy = {k: params[k] for k in names}
-  frozen = {k: v for k, v in params.items() if k not in names}
-  ref = jax.tree.map(jnp.copy, policy)
-  tx, step_fn = compiled_step(graphdef, model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps,
-                              *configs_from(config), config.rl.num_inner, config.optim.to_json(), names,
-                              config.num_iters)
-  state = dict(step=jnp.int32(0), policy=policy, opt=tx.init(policy))
   mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.save.keep)
-  restored, state = checkpoint.restore_latest(mngr, state)
+  _, state = checkpoint.restore_latest(mngr, s.init_state())
   start = int(state["step"])
-
-  diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps)
-  rollout = sampler_lib.make_sample_fn(graphdef, diff, configs_from(config)[0], record=True)
 
   base_path = os.path.join(workdir, "base_eval.json")
   if not os.path.exists(base_path):
@@ -143,18 +195,12 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   if os.path.exists(hist_path):
     with open(hist_path) as f:
       history = [h for h in map(json.loads, f) if h["iter"] < start]
-  g, p = config.rl.group_size, config.rl.prompts_per_iter
+  g = config.rl.group_size
   end = config.num_iters if max_iters_this_run is None else min(config.num_iters, start + max_iters_this_run)
   t0 = time.time()
   for it in range(start, end):
-    r = np.random.default_rng([config.seed, it])
-    mds = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
-    ids = jnp.asarray(text.tokenize([m["prompt"] for m in mds], model_cfg.text.max_len))
-    key = jax.random.fold_in(jax.random.key(config.seed), it)
-    all_params = {**frozen, **state["policy"]}
-    final, rec = rollout(all_params, ids, rng.stream(key, "rollout"))
-    images = np.asarray(shapes.unpatchify(np.asarray(final)))
-    reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds)
+    ro = rollout(config, s, state["policy"], train_recs, it)
+    reward = ro["reward"]
     if config.rl.get("debug_nan_iter", -1) == it:  # test hook: a non-finite reward
       reward = reward.copy()
       reward[0] = np.nan
@@ -164,9 +210,9 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
       state = dict(state, step=state["step"] + 1)
       continue
     adv = advantages.group_advantages(reward, g, config.rl.advantage)
-    state, m = step_fn(state, frozen, ref, ids, adv, rec, final, rng.stream(key, "train"))
+    state, m = s.step_fn(state, frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], rng.stream(ro["key"], "train"))
     m = {k: float(v) for k, v in jax.device_get(m).items()}
-    strict = parts.get("shapes_strict", registry.REWARDS["shapes_strict"](images, mds))
+    strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))
     m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
              group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))))
     if not math.isfinite(m["loss"]):
@@ -174,6 +220,8 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
                                "are intact.")
     history.append(dict(iter=it, **m))
     writer.write_scalars(it + 1, m)
+    if it % config.log_images_every == 0:
+      writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
     logging.info("iter %d/%d reward %.3f strict %.3f loss %.4f kl %.4f (%.1f min)", it + 1, config.num_iters,
                  m["reward"], m["strict_pass"], m["loss"], m["kl"], (time.time() - t0) / 60)
     if (it + 1) % config.save.every == 0 or it + 1 == end:
@@ -190,6 +238,11 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
                 eval_prompts=len(eval_recs))
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump(report, f, indent=1)
+  writer.write_images(config.num_iters, {"eval/before": generate.image_grid(
+      np.load(os.path.join(workdir, "base_images.npy"))[:64], scale=4)[None],
+      "eval/after": generate.image_grid(final_images[:64], scale=4)[None]})
+  writer.write_scalars(config.num_iters, {"eval/base_strict_pass": base_eval["strict_pass"],
+                                          "eval/final_strict_pass": final_eval["strict_pass"]})
   _write_pictures(workdir, eval_recs, np.load(os.path.join(workdir, "base_images.npy")), final_images, history,
                   report)
   return state

@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
-MODES = ("pretrain", "sample", "rl")
+MODES = ("pretrain", "sample", "rl", "ablation")
 
 
 class UserError(Exception):
@@ -32,6 +32,9 @@ def _dispatch(config, workdir: str):
   elif config.mode == "rl":
     from margrpo_jax.rl import train
     train.run(config, workdir)
+  elif config.mode == "ablation":
+    from margrpo_jax.jobs import ablation
+    ablation.run(config, workdir)
   else:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
 

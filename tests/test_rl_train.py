@@ -62,3 +62,20 @@ def test_nan_reward_skips_the_step(tmp_path, base):
   config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
   state = train.run(config, str(tmp_path / "w"))
   assert _same(state["policy"], {k: params[k] for k in ("text_encoder", "backbone")})
+
+
+def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path, base):
+  from margrpo_jax.jobs import ablation
+  spec = importlib.util.spec_from_file_location("shapes_ablation", REPO / "configs" / "shapes_ablation.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  c.update(variants="grpo,margrpo", seeds="0,1", checkpoint=base[0], smoke=True, table_every=1,
+           tfds_dir=str(tmp_path / "tfds"))
+  c.overrides.update(num_iters=2, eval=dict(num_prompts=4))
+  results = ablation.run(c, str(tmp_path))
+  assert {v: [r["seed"] for r in rs] for v, rs in results.items()} == {"grpo": [0, 1], "margrpo": [0, 1]}
+  assert all(len(r["history"]) == 2 for rs in results.values() for r in rs)
+  table = (tmp_path / "ablation.md").read_text()
+  assert "## grpo (2 seeds)" in table and "## margrpo (2 seeds)" in table and "| 2 |" in table
+  assert (tmp_path / "ablation.png").stat().st_size > 0

@@ -9,7 +9,6 @@ loop is a ``lax.scan``. Prints a table, then one JSON line with every figure.
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,10 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
-import shapes_pretrain  # noqa: E402
-
-from margrpo_jax import checkpoint  # noqa: E402
+from margrpo_jax import checkpoint, config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.diffusion import gaussian  # noqa: E402
 from margrpo_jax.jobs import pretrain  # noqa: E402
@@ -34,7 +30,7 @@ def main():
   ap.add_argument("--steps", default="8,16,32")
   ap.add_argument("--repeats", type=int, default=2)
   args = ap.parse_args()
-  config = shapes_pretrain.get_config()
+  config = config_files.load("shapes_pretrain")
   graphdef, state = nnx.split(checkpoint.build_model(config.model, 0))
   params = nnx.to_pure_dict(state)
   diff = gaussian.make_diffusion(1000, config.sampling.diffusion_steps)

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from margrpo_jax import config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.rl import advantages, loss as loss_lib, train
-from rl_step import rl_config
 
 
 def trace_variance(grads: np.ndarray) -> float:
@@ -38,7 +38,7 @@ def main():
   ap.add_argument("--group_size", type=int, default=8)
   ap.add_argument("--prompts", type=int, default=2)
   args = ap.parse_args()
-  config = rl_config("margrpo")
+  config = config_files.load("shapes_rl", "margrpo")
   config.checkpoint = args.checkpoint
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts, mte_seeds=args.pool, num_ar_steps=2,
                    consistency=False, beta=0.0)

@@ -16,26 +16,15 @@ one JSON object; `margrpo_over_grpo_time_ratio` and `margrpo_over_grpo_memory_ra
 """
 import argparse
 import functools
-import importlib.util
 import json
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 
+from margrpo_jax import config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.rl import advantages, train
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def rl_config(variant: str):
-  spec = importlib.util.spec_from_file_location("shapes_rl", os.path.join(REPO, "configs", "shapes_rl.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(variant)
-
 
 def footprint(compiled) -> int:
   m = compiled.memory_analysis()
@@ -66,7 +55,7 @@ def main():
   recs = shapes.split_records("train", num_train=512)
   ro = None
   for variant in ("grpo", "margrpo"):
-    config = rl_config(variant)
+    config = config_files.load("shapes_rl", variant)
     config.checkpoint = args.checkpoint
     config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
     s = train.setup(config)

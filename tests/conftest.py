@@ -24,11 +24,8 @@ def small_model_config():
 
 def smoke_config():
   """The pretraining config at test size (``configs/shapes_pretrain.py:smoke`` with the test model)."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("shapes_pretrain", REPO / "configs" / "shapes_pretrain.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("smoke")
+  from margrpo_jax import config_files
+  c = config_files.load("shapes_pretrain", "smoke")
   c.model = small_model_config()
   return c
 

@@ -1,22 +1,17 @@
 """The RL job end to end on the small model: updates reach the AR backbone only (head bitwise unchanged), a NaN
 reward skips the step, and a killed run resumes to the same parameters as an uninterrupted one."""
-import importlib.util
 import json
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
-from margrpo_jax import checkpoint
+from margrpo_jax import checkpoint, config_files
 from margrpo_jax.rl import train
 
 
 def _config(base, **rl):
-  spec = importlib.util.spec_from_file_location("shapes_rl", REPO / "configs" / "shapes_rl.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("margrpo,smoke")
+  c = config_files.load("shapes_rl", "margrpo,smoke")
   c.checkpoint = base
   c.rl.rewards = dict(jpeg_compressibility=1.0)  # always varies within a group: non-zero advantages
   c.rl.update(rl)
@@ -66,10 +61,7 @@ def test_nan_reward_skips_the_step(tmp_path, base):
 
 def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path, base):
   from margrpo_jax.jobs import ablation
-  spec = importlib.util.spec_from_file_location("shapes_ablation", REPO / "configs" / "shapes_ablation.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = config_files.load("shapes_ablation")
   c.update(variants="grpo,margrpo", seeds="0,1", checkpoint=base[0], smoke=True, table_every=1,
            tfds_dir=str(tmp_path / "tfds"))
   c.overrides.update(num_iters=2, eval=dict(num_prompts=4))

@@ -6,20 +6,15 @@ is the prompt's colour for most images (measured when it was shipped: 32 of 32).
 """
 import numpy as np
 
-from margrpo_jax import checkpoint, generate
+from margrpo_jax import checkpoint, config_files, generate
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import sample
 from margrpo_jax.rewards import shapes_verifier
 
-from conftest import REPO
 
 
 def _sample_config():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("shapes_sample", REPO / "configs" / "shapes_sample.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return config_files.load("shapes_sample")
 
 
 def test_shipped_base_follows_the_prompt_colour():

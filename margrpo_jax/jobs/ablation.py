@@ -9,13 +9,13 @@ group) and gradient norm as mean +- std over seeds, then the base and final stri
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import numpy as np
 from absl import logging
 
+from margrpo_jax import config_files
 from margrpo_jax.rl import train
 
 CURVES = (("strict_pass", "strict pass (rollouts)"), ("reward", "reward (partial score)"),
@@ -30,17 +30,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def _rl_config(path: str, arg: str, overrides: dict):
-  spec = importlib.util.spec_from_file_location("shapes_rl", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config(arg)
+  c = config_files.load(path, arg)
   c.update_from_flattened_dict(overrides)
   return c
 
 
 def run(config, workdir: str) -> dict:
-  rl_path = config.rl_config or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))), "configs", "shapes_rl.py")
+  rl_path = config.rl_config or "shapes_rl"
   seeds = [int(s) for s in str(config.seeds).split(",") if s.strip()]
   variants = [v for v in config.variants.split(",") if v]
   flat = _flatten(config.overrides.to_dict())

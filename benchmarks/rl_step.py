@@ -1,6 +1,7 @@
 """RL step benchmark: `margrpo` (S = 4 MTE trajectories, top 30 %, consistency) against `grpo` at the same batch.
 
-python benchmarks/rl_step.py [--checkpoint=DIR] [--repeats=3] [--group_size=8] [--prompts=4]
+python benchmarks/rl_step.py [--checkpoint=DIR] [--repeats=3] [--group_size=8] [--prompts=4] [--ar_steps=4]
+    [--diffusion_steps=8]
 
 Both variants start from the same base (the shipped one by default) and score the same recorded rollout. An
 update has two jitted halves, timed and sized separately:
@@ -50,6 +51,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--group_size", type=int, default=8)
   ap.add_argument("--prompts", type=int, default=4)
+  ap.add_argument("--ar_steps", type=int, default=4, help="AR steps scored per rollout (M)")
+  ap.add_argument("--diffusion_steps", type=int, default=8, help="diffusion steps scored per AR step (k)")
   args = ap.parse_args()
   out = dict(device=str(jax.devices()[0].device_kind), batch=args.group_size * args.prompts, variants={})
   recs = shapes.split_records("train", num_train=512)
@@ -57,7 +60,8 @@ def main():
   for variant in ("grpo", "margrpo"):
     config = config_files.load("shapes_rl", variant)
     config.checkpoint = args.checkpoint
-    config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
+    config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts, num_ar_steps=args.ar_steps,
+                     num_diffusion_steps=args.diffusion_steps)
     s = train.setup(config)
     scfg, bcfg, lcfg, sequential = s.static
     if ro is None:  # one recorded rollout, shared by both variants

@@ -32,7 +32,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                     clip_denoised=True)
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
-      rewards=dict(shapes_partial=1.0),
+      # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
+      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, jpeg_compressibility=0.0),
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'
       group_size=8, prompts_per_iter=4,
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)

@@ -13,7 +13,7 @@ from margrpo_jax.rl import train
 def _config(base, **rl):
   c = config_files.load("shapes_rl", "margrpo,smoke")
   c.checkpoint = base
-  c.rl.rewards = dict(jpeg_compressibility=1.0)  # always varies within a group: non-zero advantages
+  c.rl.rewards.update(shapes_partial=0.0, jpeg_compressibility=1.0)  # varies within a group: non-zero advantages
   c.rl.update(rl)
   c.optim.lr = 1e-3
   return c

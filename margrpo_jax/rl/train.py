@@ -214,7 +214,8 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))
     m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
-             group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))))
+             group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))),
+             **{f"reward_{name}": float(np.mean(v)) for name, v in ro["parts"].items()})
     if not math.isfinite(m["loss"]):
       raise FloatingPointError(f"RL loss became {m['loss']} at iteration {it}; checkpoints in {mngr.directory} "
                                "are intact.")

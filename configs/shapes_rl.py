@@ -46,6 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       cfg_in_loss=True,           # [official: False]
       mask_after_step=False,      # [official: True, bug B1]
       mte_latent="step",          # [official: 'commit', A2]
+      mte_commit_guided=False,    # with 'commit': guided MTE chains (CFG at cfg_scale) [official: True, Harmon]
       score_last_step=False,      # [official: True, the deterministic j = 0 transition]
       sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
       num_inner=1,

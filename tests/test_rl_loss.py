@@ -111,3 +111,15 @@ def test_official_switches(rollout):
   lcfg = loss_lib.LossConfig(ratio="none", clip_eps=0.0, kl="official", cfg_in_loss=False, clip_denoised=True)
   loss, m = _loss(graphdef, params, batch, lcfg)
   assert np.isfinite(float(loss)) and float(m["clip_frac"]) == 0.0
+
+
+def test_commit_time_mte_guided_uses_the_recorded_uncond_latents(rollout):
+  """Official Harmon: MTE chains from the commit-time cond and uncond latents with CFG; NOVA: unguided (B6).
+  Same keys, so the two differ only through the guidance."""
+  graphdef, params, build = rollout
+  cfg = dict(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2, mte_latent="commit", topk_fraction=1.0)
+  guided, _ = build(batch_lib.BatchConfig(mte_commit_guided=True, **cfg), params)
+  plain, _ = build(batch_lib.BatchConfig(mte_commit_guided=False, **cfg), params)
+  assert np.isfinite(np.asarray(guided.mte_x_t)).all()
+  assert not np.allclose(np.asarray(guided.mte_x_prev), np.asarray(plain.mte_x_prev), atol=1e-4)
+  np.testing.assert_array_equal(np.asarray(guided.x_t), np.asarray(plain.x_t))  # the main trajectory is unchanged

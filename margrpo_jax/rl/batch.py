@@ -37,6 +37,8 @@ class BatchConfig:
   consistency: bool = True         # consistency-aware selection
   mask_after_step: bool = False    # official B1: post-step mask for visibility and loss region
   mte_latent: str = "step"         # 'step' (intended) | 'commit' (official A2)
+  mte_commit_guided: bool = False  # with 'commit': CFG at the constant sampler scale from the commit-time cond
+                                   # and uncond latents (official Harmon); False: unguided (official NOVA, B6)
   score_last_step: bool = False    # official: also score the deterministic j = 0 transition
 
 
@@ -67,13 +69,17 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   n_sel = jnp.sort(jax.random.choice(rng.stream(key, "diff_steps"), pool, (bcfg.num_diffusion_steps,),
                                      replace=False))
   rows = jnp.arange(b)[:, None]
-  commit_z = None
-  if bcfg.mte_seeds and bcfg.mte_latent == "commit":  # each position's AR latent at the step it was decoded
-    z_all = jnp.zeros((b, seq_len, rec.z.shape[-1]))
+
+  def at_commit(z_rec):  # (N, B, K, D) recorded latents -> (B, L, D): each position's at the step it was decoded
+    z_all = jnp.zeros((b, seq_len, z_rec.shape[-1]))
     for s in range(n_steps):
-      z_all = z_all.at[rows, rec.positions[s]].set(jnp.where(rec.valid[s][..., None], rec.z[s],
+      z_all = z_all.at[rows, rec.positions[s]].set(jnp.where(rec.valid[s][..., None], z_rec[s],
                                                               z_all[rows, rec.positions[s]]))
-    commit_z = z_all
+    return z_all
+
+  commit = bcfg.mte_seeds and bcfg.mte_latent == "commit"
+  commit_z = at_commit(rec.z) if commit else None
+  commit_z_u = at_commit(rec.z_u) if commit and bcfg.mte_commit_guided else None
 
   def one_step(i, k_i):
     canvas, unknown = rec.canvas[i], rec.mask[i]
@@ -98,8 +104,11 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     # MTE trajectories and the uncertainty top-k. Only the K uncertain tokens' trajectories are kept (the loss
     # uses the MTE estimate nowhere else), gathered to (S, T + 1, B, K, C).
     if bcfg.mte_seeds:
-      zm_c, zm_u = (z_c, z_u) if bcfg.mte_latent == "step" else (commit_z, None)
-      mte_xs, mte_logp = jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, rec.cfg[i], kk))(
+      if bcfg.mte_latent == "step":
+        zm_c, zm_u, mte_scale = z_c, z_u, rec.cfg[i]
+      else:
+        zm_c, zm_u, mte_scale = commit_z, commit_z_u, jnp.float32(scfg.cfg_scale)
+      mte_xs, mte_logp = jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, mte_scale, kk))(
           jax.random.split(rng.stream(k_i, "mte"), bcfg.mte_seeds))
       u = selection.uncertainty(mte_xs[:, -1])
       idx = selection.topk_indices(u, bcfg.topk_fraction)

@@ -44,6 +44,7 @@ def configs_from(config):
                                mte_seeds=rl.mte_seeds, topk_fraction=rl.topk_fraction, consistency=rl.consistency,
                                mask_after_step=pick(rl.mask_after_step, True),
                                mte_latent=pick(rl.mte_latent, "commit"),
+                               mte_commit_guided=pick(rl.mte_commit_guided, True),
                                score_last_step=pick(rl.score_last_step, True))
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=pick(rl.clip_eps, 0.0), ratio=pick(rl.ratio, "none"),
                              kl=pick(rl.kl, "official"), channel_reduction=rl.channel_reduction,

@@ -48,6 +48,7 @@ class Record:
   positions: jax.Array  # (N, B, K) int32 positions decoded at the step
   valid: jax.Array      # (N, B, K) bool, False for the padded surplus positions
   z: jax.Array          # (N, B, K, D) conditional AR latents at those positions
+  z_u: jax.Array        # (N, B, K, D) unconditional AR latents there (zeros when the sampler is unguided)
   xs: jax.Array         # (N, T+1, B, K, C) diffusion states x_T, ..., x_0
   std: jax.Array        # (N, T, B, K, C) per-element std used (sigma * temperature)
   logp: jax.Array       # (N, T, B, K) log-prob of each transition, summed over channels
@@ -126,7 +127,8 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
     rows = jnp.arange(b)[:, None]
     new_canvas = canvas.at[rows, pos].set(jnp.where(valid[..., None], x0, _gather(canvas, pos)))
     new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
-    rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel, xs=xs, std=std, logp=logp,
+    rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel,
+                 z_u=jnp.zeros_like(zc_sel) if zu_sel is None else zu_sel, xs=xs, std=std, logp=logp,
                  cfg=scale, order=order) if record else None
     return (new_canvas, new_mask), rec
 

@@ -85,9 +85,7 @@ def _kl(mean, std, ref_mean, ref_std, cfg: LossConfig):
 
 def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBatch, i, cond, null):
   """Unreduced policy / KL sums and counts, and metrics, for selected AR step ``i``."""
-  pick = lambda a: a[i]
-  canvas, visible, region, keep, unc = map(pick, (batch.canvas, batch.visible, batch.region, batch.keep,
-                                                  batch.uncertain))
+  canvas, visible, region, keep = (a[i] for a in (batch.canvas, batch.visible, batch.region, batch.keep))
   k = batch.j.shape[1]
   z_c = model.backbone(canvas, ~visible, cond)
   z_u = model.backbone(canvas, ~visible, null) if cfg.cfg_in_loss else None

@@ -3,8 +3,8 @@ seeds, then one markdown table and one plot.
 
 Each (variant, seed) is an ordinary RL run in ``W/<variant>/seed<n>`` (resumable: rerunning the command skips
 finished runs and resumes a killed one). ``W/ablation.md`` tabulates, per variant and every ``table_every``
-iterations, the rollout strict pass rate, reward (partial score), group diversity (std of the reward inside a
-group) and gradient norm as mean +- std over seeds, then the base and final strict pass on the eval prompts;
+iterations, the rollout strict pass rate, reward (the configured weighted sum), group diversity (std of the
+reward inside a group) and gradient norm as mean +- std over seeds, then the base and final strict pass on the eval prompts;
 ``W/ablation.png`` plots the same curves (mean over seeds, band = min..max). ``W/ablation.json`` has all of it.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from absl import logging
 from margrpo_jax import config_files
 from margrpo_jax.rl import train
 
-CURVES = (("strict_pass", "strict pass (rollouts)"), ("reward", "reward (partial score)"),
+CURVES = (("strict_pass", "strict pass (rollouts)"), ("reward", "reward (weighted sum)"),
           ("group_diversity", "group diversity (reward std)"), ("grad_norm", "gradient norm"))
 
 
@@ -43,8 +43,9 @@ def run(config, workdir: str) -> dict:
   results = {}
   for variant in variants:
     for seed in seeds:
-      c = _rl_config(rl_path, variant + (",smoke" if config.smoke else ""), dict(flat, seed=seed, checkpoint=config.checkpoint,
-                                            tfds_dir=config.tfds_dir or os.path.join(workdir, "tfds")))
+      arg = variant + (",smoke" if config.smoke else "")
+      c = _rl_config(rl_path, arg, dict(flat, seed=seed, checkpoint=config.checkpoint,
+                                        tfds_dir=config.tfds_dir or os.path.join(workdir, "tfds")))
       wd = os.path.join(workdir, variant, f"seed{seed}")
       if not os.path.exists(os.path.join(wd, "report.json")):
         logging.info("ablation: %s seed %d -> %s", variant, seed, wd)

@@ -130,7 +130,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     _, ref_mean, ref_std = sampler_lib.transition_logp(
         ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
         lcfg.temperature, lcfg.clip_denoised)
-    return dict(canvas=canvas, visible=visible, region=region, keep=keep, uncertain=unc, uncertain_idx=idx, j=t_count - 1 - n_sel,
+    return dict(canvas=canvas, visible=visible, region=region, keep=keep, uncertain=unc, uncertain_idx=idx,
+                j=t_count - 1 - n_sel,
                 x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean, ref_std=ref_std,
                 mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel],
                 cfg=rec.cfg[i], u=u)

@@ -90,6 +90,7 @@ def rl_step(graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner, state, 
                             key)
   state, out = update(graphdef, tx, diff, lcfg, sequential, num_inner, state, frozen, batch)
   out["uncertain_frac"] = batch.uncertain.mean()
+  out["keep_frac"] = batch.keep.sum() / jnp.maximum(batch.region.sum(), 1)  # consistency-aware selection
   masked_mean = lambda x, m: jnp.sum(x * m) / jnp.maximum(m.sum(), 1)
   out["uncertainty_mean"] = masked_mean(info["uncertainty"], batch.region)    # MTE std over the loss region
   out["uncertainty_topk_mean"] = masked_mean(info["uncertainty"], batch.uncertain)  # ... over U
@@ -134,10 +135,10 @@ class Setup:
     return dict(step=jnp.int32(0), policy=self.policy, opt=self.tx.init(self.policy))
 
 
-def setup(config, base_dir: str | None = None) -> Setup:
-  """Load ``base_dir`` (default: ``config.checkpoint`` or the shipped base) and build the static parts."""
+def setup(config) -> Setup:
+  """Load ``config.checkpoint`` (default: the shipped base) and build the static parts."""
   from margrpo_jax.jobs.sample import SHIPPED_BASE
-  model_cfg, graphdef, params = checkpoint.load_model(base_dir or config.checkpoint or SHIPPED_BASE)
+  model_cfg, graphdef, params = checkpoint.load_model(config.checkpoint or SHIPPED_BASE)
   names = trainable_names(config)
   policy = {k: params[k] for k in names}
   frozen = {k: v for k, v in params.items() if k not in names}
@@ -240,13 +241,12 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
                 eval_prompts=len(eval_recs))
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump(report, f, indent=1)
-  writer.write_images(config.num_iters, {"eval/before": generate.image_grid(
-      np.load(os.path.join(workdir, "base_images.npy"))[:64], scale=4)[None],
-      "eval/after": generate.image_grid(final_images[:64], scale=4)[None]})
+  base_images = np.load(os.path.join(workdir, "base_images.npy"))
+  writer.write_images(config.num_iters, {"eval/before": generate.image_grid(base_images[:64], scale=4)[None],
+                                         "eval/after": generate.image_grid(final_images[:64], scale=4)[None]})
   writer.write_scalars(config.num_iters, {"eval/base_strict_pass": base_eval["strict_pass"],
                                           "eval/final_strict_pass": final_eval["strict_pass"]})
-  _write_pictures(workdir, eval_recs, np.load(os.path.join(workdir, "base_images.npy")), final_images, history,
-                  report)
+  _write_pictures(workdir, eval_recs, base_images, final_images, history, report)
   return state
 
 

@@ -44,7 +44,7 @@ def main():
 
     def fn(p, i, k, scfg=scfg):
       model = nnx.merge(graphdef, p)
-      return sampler_lib.sample(model, diff, scfg, model.text_encoder(i), model.text_encoder.null(i.shape[0]), k)[0]
+      return sampler_lib.sample(model, diff, scfg, model.condition(i), model.null_condition(i.shape[0]), k)[0]
 
     t0 = time.perf_counter()
     compiled = jax.jit(fn).lower(params, ids, jax.random.key(0)).compile()

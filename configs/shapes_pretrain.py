@@ -6,6 +6,7 @@ Arg ``:smoke`` shrinks everything for a seconds-long CPU check.
 import ml_collections
 
 from margrpo_jax.models import tiny
+from margrpo_jax.parallel import mesh
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -22,6 +23,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ema_decay = 0.999
   # mask_ratio: 'cosine' (MaskGIT, matches the sampler) | 'truncnorm' (MAR: [mask_ratio_min, 1], std 0.25)
   c.mar = dict(mask_ratio="cosine", mask_ratio_min=0.7, mask_ratio_std=0.25, diffusion_batch_mul=2, label_drop=0.1)
+  c.parallel = mesh.config()  # device mesh, sharding rules, multi-host (margrpo_jax/parallel/mesh.py)
+  c.export = dict(dtype="float32", dir="")  # mode=export: params-only checkpoint ('bfloat16' halves it)
   c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
                     clip_denoised=True)
   c.eval = dict(every=500, num_prompts=64, batch_size=64, seed=0)

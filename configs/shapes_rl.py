@@ -11,6 +11,8 @@ Variants (the ablation ladder of the paper):
 """
 import ml_collections
 
+from margrpo_jax.parallel import mesh
+
 VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo")
 
 
@@ -28,6 +30,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint = ""  # base model export; '' = the shipped base
   c.tfds_dir = ""
   c.num_iters = 40
+  c.parallel = mesh.config()  # device mesh, sharding rules, multi-host (margrpo_jax/parallel/mesh.py)
+  c.export = dict(dtype="float32", dir="")  # mode=export: params-only checkpoint ('bfloat16' halves it)
   c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
                     clip_denoised=True)
   c.rl = dict(
@@ -50,6 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       score_last_step=False,      # [official: True, the deterministic j = 0 transition]
       sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
       num_inner=1,
+      remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
       debug_nan_iter=-1,          # test hook: inject a NaN reward at this iteration
   )
   c.optim = dict(lr=3e-5, warmup_steps=0, decay="constant", final_lr_frac=1.0, b1=0.9, b2=0.999, eps=1e-8,

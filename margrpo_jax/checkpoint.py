@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from margrpo_jax.models import tiny
+from margrpo_jax.models import class_mar, tiny
 
 
 class CheckpointError(ValueError):
@@ -38,8 +38,14 @@ def restore_latest(mngr: ocp.CheckpointManager, target):
   return step, mngr.restore(step, args=ocp.args.StandardRestore(abstract_like(target)))
 
 
+FAMILIES = {"tiny": tiny.TinyMAR, "mar": class_mar.ClassMAR}  # model.family -> class
+
+
 def build_model(model_cfg: ml_collections.ConfigDict, seed: int = 0):
-  return tiny.build(model_cfg, seed)
+  """The model of ``model_cfg.family`` (components are its top-level attributes: backbone, head, ...)."""
+  if model_cfg.family not in FAMILIES:
+    raise CheckpointError(f"model.family={model_cfg.family!r} is not one of {', '.join(FAMILIES)}.")
+  return FAMILIES[model_cfg.family](model_cfg, rngs=nnx.Rngs(seed))
 
 
 def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dtype=None) -> str:

@@ -15,7 +15,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
-MODES = ("pretrain", "sample", "rl", "ablation")
+MODES = ("pretrain", "sample", "rl", "ablation", "plan", "export")
 
 
 class UserError(Exception):
@@ -35,6 +35,12 @@ def _dispatch(config, workdir: str):
   elif config.mode == "ablation":
     from margrpo_jax.jobs import ablation
     ablation.run(config, workdir)
+  elif config.mode == "plan":
+    from margrpo_jax.jobs import plan
+    plan.run(config, workdir)
+  elif config.mode == "export":
+    from margrpo_jax.jobs import export
+    export.run(config, workdir)
   else:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
 
@@ -62,6 +68,9 @@ def main(argv):
   jax.config.update("jax_threefry_partitionable", True)
   from margrpo_jax import checkpoint
   from margrpo_jax.data import prompt_files
+  from margrpo_jax.parallel import mesh
+  if "parallel" in config:
+    mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
   try:
     _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)))
   except (UserError, checkpoint.CheckpointError, prompt_files.PromptFileError, FileNotFoundError) as e:

@@ -3,6 +3,7 @@ reward skips the step, and a killed run resumes to the same parameters as an uni
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -49,6 +50,22 @@ def test_rl_updates_backbone_only_resumes_and_writes_the_report(tmp_path, base):
   history = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert len(history) == config.num_iters and all(h["grad_norm"] > 0 for h in history)
   assert abs(history[0]["logp_diff"]) < 1e-3  # first update: recomputed log-probs equal the rollout's
+
+
+def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base):
+  from margrpo_jax.jobs import export
+  base_dir, _ = base
+  config = _config(base_dir)
+  config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
+  state = train.run(config, str(tmp_path / "w"))
+  config.export.update(dtype="bfloat16", dir=str(tmp_path / "bf16"))
+  out = export.run(config, str(tmp_path / "w"))
+  _, _, got = checkpoint.load_model(out)  # up-cast to float32 on load
+  want = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16).astype(np.float32), state["policy"])
+  assert _same({k: got[k] for k in want}, want)
+  config.export.dtype = "float16"
+  with pytest.raises(checkpoint.CheckpointError, match="export.dtype='float16'"):
+    export.run(config, str(tmp_path / "w"))
 
 
 def test_nan_reward_skips_the_step(tmp_path, base):

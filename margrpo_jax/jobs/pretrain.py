@@ -30,6 +30,7 @@ from margrpo_jax import checkpoint, generate, optim, rng
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import text
+from margrpo_jax.parallel import mesh as mesh_lib, sharding
 
 
 def mar_loss(model, diff: gaussian.Diffusion, mar_cfg, batch: dict, key: jax.Array):
@@ -48,7 +49,7 @@ def mar_loss(model, diff: gaussian.Diffusion, mar_cfg, batch: dict, key: jax.Arr
   rank = jnp.argsort(order, axis=1)  # position -> place in the order
   mask = rank < num_masked[:, None]
   drop = jax.random.bernoulli(rng.stream(key, "label_drop"), mar_cfg.label_drop, (b,))
-  cond = jnp.where(drop[:, None, None], model.text_encoder.null(b), model.text_encoder(batch["ids"]))
+  cond = jnp.where(drop[:, None, None], model.null_condition(b), model.condition(batch["ids"]))
   z = model.backbone(x0, mask, cond)
   m = mar_cfg.diffusion_batch_mul
   t = jax.random.randint(rng.stream(key, "timestep"), (m, b, seq_len), 0, diff.num_steps)
@@ -65,15 +66,27 @@ def init_state(config, seed: int | None = None):
   'opt'}`` (params as a pure dict; every component trainable, the schedule spanning ``config.num_steps``)."""
   graphdef, state = nnx.split(checkpoint.build_model(config.model, config.seed if seed is None else seed))
   params = nnx.to_pure_dict(state)
-  tx = optim.make(config.optim, ("text_encoder", "backbone", "head"), config.num_steps)
+  tx = optim.make(config.optim, tuple(params), config.num_steps)
   return graphdef, tx, dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params),
                             opt=tx.init(params))
 
 
-def make_step_fn(graphdef, tx, config):
-  """The jitted, state-donating :func:`train_step` for ``config``."""
+def state_shardings(mesh, tx, state: dict, rules) -> dict:
+  """Shardings of the train state: params and EMA by ``rules``, optimizer state like its params."""
+  p = sharding.param_shardings(mesh, state["params"], sharding.hashable_rules(rules))
+  return dict(step=sharding.replicated(mesh), params=p, ema=p, opt=sharding.opt_shardings(mesh, tx, state["params"], p))
+
+
+def make_step_fn(graphdef, tx, config, mesh=None, state=None):
+  """The jitted, state-donating :func:`train_step` for ``config``; on a ``mesh``, with the explicit shardings
+  of ``state`` (:func:`state_shardings`) and of the batch (split over the batch axes)."""
   diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps)
-  return jax.jit(functools.partial(train_step, graphdef, tx, diff, config), donate_argnums=0)
+  fn = functools.partial(train_step, graphdef, tx, diff, config)
+  if mesh is None:
+    return jax.jit(fn, donate_argnums=0)
+  st = state_shardings(mesh, tx, state, config.parallel.rules)
+  batch = dict(ids=sharding.batch_sharding(mesh, 2), tokens=sharding.batch_sharding(mesh, 3))
+  return jax.jit(fn, in_shardings=(st, batch), out_shardings=(st, sharding.replicated(mesh)), donate_argnums=0)
 
 
 def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
@@ -116,15 +129,20 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
 
   graphdef, tx, train_state = init_state(config)
+  mesh = mesh_lib.make_mesh(config.parallel.mesh)
+  train_state = jax.device_put(train_state, state_shardings(mesh, tx, train_state, config.parallel.rules))
   mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-  restored, train_state = checkpoint.restore_latest(mngr, train_state)
+  restored, train_state = checkpoint.restore_latest(mngr, train_state)  # onto this run's mesh
   start = int(train_state["step"])
   if restored is not None:
     logging.info("resumed from %s at step %d", mngr.directory, start)
-  step_fn = make_step_fn(graphdef, tx, config)
+  step_fn = make_step_fn(graphdef, tx, config, mesh, train_state)
   end = config.num_steps if max_steps_this_run is None else min(config.num_steps, start + max_steps_this_run)
-  batch_fn = functools.partial(make_batch, train_recs, batch_size=config.batch_size, seed=config.seed,
-                               max_len=config.model.text.max_len)
+  batch_sh = dict(ids=sharding.batch_sharding(mesh, 2), tokens=sharding.batch_sharding(mesh, 3))
+
+  def batch_fn(step):  # this host's rows of the step's batch, placed as a global array
+    full = make_batch(train_recs, step, config.batch_size, config.seed, config.model.text.max_len)
+    return sharding.to_global({k: v[sharding.host_rows(config.batch_size)] for k, v in full.items()}, batch_sh)
   progress = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
   t0, t_last = time.time(), time.time()
   with concurrent.futures.ThreadPoolExecutor(1) as pool, metric_writers.ensure_flushes(writer):

@@ -5,6 +5,7 @@ from the model config, so the same classes build MAR-B/L/H-shaped backbones.
 """
 from __future__ import annotations
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -28,6 +29,9 @@ def tiny_config() -> ml_collections.ConfigDict:
 class TinyMAR(nnx.Module):
   """Components: ``text_encoder`` (condition), ``backbone`` (AR transformer), ``head`` (diffusion head)."""
 
+  policy_components = ("text_encoder", "backbone")  # what RL trains (plus ``head`` when it is not frozen)
+  condition_ndim = 2  # conditions are token ids (B, T)
+
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     b = cfg.backbone
     self.text_encoder = text.TextEncoder(vocab_size=len(text.VOCAB), out_dim=b.width, rngs=rngs, **cfg.text)
@@ -35,11 +39,13 @@ class TinyMAR(nnx.Module):
                                 rngs=rngs, **b)
     self.head = SimpleMLPAdaLN(token_dim=cfg.token_dim, cond_dim=b.width, rngs=rngs, **cfg.head)
 
+  def condition(self, ids: jax.Array) -> jax.Array:
+    """Token ids (B, T) -> buffer tokens (B, T, D)."""
+    return self.text_encoder(ids)
+
+  def null_condition(self, batch: int) -> jax.Array:
+    return self.text_encoder.null(batch)
+
   def tokenize(self, prompts):
     return text.tokenize(prompts, self.text_encoder.max_len)
 
-
-def build(cfg: ml_collections.ConfigDict, seed: int = 0) -> TinyMAR:
-  if cfg.family != "tiny":
-    raise ValueError(f"model.family={cfg.family!r} is not built by this version (known: 'tiny')")
-  return TinyMAR(cfg, rngs=nnx.Rngs(seed))

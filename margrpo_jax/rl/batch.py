@@ -62,7 +62,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   n_steps, b = rec.mask.shape[:2]
   seq_len = rec.mask.shape[-1]
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
-  cond, null = model.text_encoder(ids), model.text_encoder.null(b)
+  cond, null = model.condition(ids), model.null_condition(b)
   steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
   t_count = diff.num_steps
   pool = t_count if bcfg.score_last_step else t_count - 1  # list position n: x_n -> x_{n+1}, j = T - 1 - n
@@ -71,11 +71,9 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   rows = jnp.arange(b)[:, None]
 
   def at_commit(z_rec):  # (N, B, K, D) recorded latents -> (B, L, D): each position's at the step it was decoded
-    z_all = jnp.zeros((b, seq_len, z_rec.shape[-1]))
-    for s in range(n_steps):
-      z_all = z_all.at[rows, rec.positions[s]].set(jnp.where(rec.valid[s][..., None], z_rec[s],
-                                                              z_all[rows, rec.positions[s]]))
-    return z_all
+    flat = lambda a: jnp.moveaxis(a, 0, 1).reshape((b, -1) + a.shape[3:])  # (N, B, K, ...) -> (B, N K, ...)
+    pos = jnp.where(flat(rec.valid), flat(rec.positions), seq_len)  # padded surplus -> out of range, dropped
+    return jnp.zeros((b, seq_len, z_rec.shape[-1])).at[rows, pos].set(flat(z_rec), mode="drop")
 
   commit = bcfg.mte_seeds and bcfg.mte_latent == "commit"
   commit_z = at_commit(rec.z) if commit else None
@@ -121,9 +119,9 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
       u = jnp.zeros((b, seq_len))
     unc = selection.indices_to_mask(idx, seq_len)
     # Reference transitions at the chosen diffusion steps.
-    ref_cond = ref_model.text_encoder(ids)
+    ref_cond = ref_model.condition(ids)
     rz_c = ref_model.backbone(canvas, ~visible, ref_cond)
-    rz_u = ref_model.backbone(canvas, ~visible, ref_model.text_encoder.null(b)) if lcfg.cfg_in_loss else None
+    rz_u = ref_model.backbone(canvas, ~visible, ref_model.null_condition(b)) if lcfg.cfg_in_loss else None
     x_t, x_prev = xs[n_sel], xs[n_sel + 1]
     j = jnp.broadcast_to((t_count - 1 - n_sel)[:, None, None], x_t.shape[:-1])
     bk = lambda z: None if z is None else jnp.broadcast_to(z, (n_sel.shape[0],) + z.shape)

@@ -39,6 +39,7 @@ class LossConfig:
   cfg_in_loss: bool = True          # score under the guided mean the rollout sampled from (official: False)
   temperature: float = 1.0
   clip_denoised: bool = False
+  remat: bool = False               # recompute each AR step's forward in the backward pass (real sizes)
 
 
 @flax.struct.dataclass
@@ -119,13 +120,19 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
 
 def loss_fn(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBatch, steps=None):
   """``(loss, metrics)`` over the selected AR steps ``steps`` (default: all M), reduced as exact means."""
-  cond = model.text_encoder(batch.ids)
-  null = model.text_encoder.null(batch.ids.shape[0])
-  steps = range(batch.j.shape[0]) if steps is None else steps
-  tot = None
-  for i in steps:  # M is small (a few steps); each term is one backbone forward
-    t = step_terms(model, diff, cfg, batch, i, cond, null)
-    tot = t if tot is None else jax.tree.map(jnp.add, tot, t)
+  cond = model.condition(batch.ids)
+  null = model.null_condition(batch.ids.shape[0])
+  terms = lambda i: step_terms(model, diff, cfg, batch, i, cond, null)  # one backbone forward each
+  if cfg.remat:  # keep only each step's inputs for the backward pass: activation memory of one AR step
+    terms = jax.checkpoint(terms)
+  if steps is None:  # all M steps: a scan, so the program holds one backbone, not M
+    tot, _ = jax.lax.scan(lambda acc, i: (jax.tree.map(jnp.add, acc, terms(i)), None), terms(0),
+                          jnp.arange(1, batch.j.shape[0]))
+  else:
+    tot = None
+    for i in steps:
+      t = terms(i)
+      tot = t if tot is None else jax.tree.map(jnp.add, tot, t)
   policy = tot["policy_sum"] / jnp.maximum(tot["policy_count"], 1.0)
   kl = tot["kl_sum"] / jnp.maximum(tot["kl_count"], 1.0)
   metrics = dict(policy=policy, kl=kl, clip_frac=tot["clipped_sum"] / jnp.maximum(tot["policy_count"], 1.0),

@@ -25,6 +25,7 @@ from margrpo_jax import checkpoint, generate, optim, rng
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import text
+from margrpo_jax.parallel import mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import advantages, batch as batch_lib, loss as loss_lib
 from margrpo_jax.sampling import sampler as sampler_lib
@@ -49,12 +50,15 @@ def configs_from(config):
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=pick(rl.clip_eps, 0.0), ratio=pick(rl.ratio, "none"),
                              kl=pick(rl.kl, "official"), channel_reduction=rl.channel_reduction,
                              cfg_in_loss=pick(rl.cfg_in_loss, False), temperature=config.sampling.temperature,
-                             clip_denoised=config.sampling.clip_denoised)
+                             clip_denoised=config.sampling.clip_denoised, remat=rl.remat)
   return scfg, bcfg, lcfg, pick(rl.sequential_updates, True)
 
 
-def trainable_names(config) -> tuple[str, ...]:
-  return ("text_encoder", "backbone", "head") if config.rl.train_head else ("text_encoder", "backbone")
+def trainable_names(config, model_cfg) -> tuple[str, ...]:
+  """The components RL trains: the family's policy (e.g. text encoder + backbone), plus the head when
+  ``rl.train_head`` (vanilla GRPO)."""
+  names = checkpoint.FAMILIES[model_cfg.family].policy_components
+  return names + ("head",) if config.rl.train_head else names
 
 
 def build_batch(graphdef, diff, scfg, bcfg, lcfg, policy, frozen, ref, ids, adv, rec, final, key):
@@ -97,15 +101,31 @@ def rl_step(graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner, state, 
   return state, out
 
 
+def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2) -> dict:
+  """``in_shardings`` / ``out_shardings`` of :func:`rl_step` on ``mesh``: policy, reference and optimizer
+  state sharded by ``rules``, the frozen parts by theirs (the head replicated), batches over the batch axes."""
+  p = sharding.param_shardings(mesh, policy, rules)
+  rep = sharding.replicated(mesh)
+  state = dict(step=rep, policy=p, opt=sharding.opt_shardings(mesh, tx, policy, p))
+  b = functools.partial(sharding.batch_sharding, mesh)
+  ins = (state, sharding.param_shardings(mesh, frozen, rules), p, b(ids_ndim), b(1),
+         sampler_lib.Record.shardings(mesh), b(3), rep)
+  return dict(in_shardings=ins, out_shardings=(state, rep))
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_step(graphdef, num_train_steps, respacing, scfg, bcfg, lcfg, sequential, num_inner, optim_json, names,
-                  num_iters):
+                  num_iters, mesh=None, rules=None, sigs=None, ids_ndim=2):
   """``(tx, jitted rl_step)`` shared by every run in the process with the same static configuration; the
-  train state is donated, the frozen parts and the reference are plain (never donated) arguments."""
+  train state is donated, the frozen parts and the reference are plain (never donated) arguments. With a
+  ``mesh``, ``sigs`` (:func:`sharding.signature` of policy and frozen) give the explicit shardings."""
   tx = optim.make(ml_collections.ConfigDict(json.loads(optim_json)), names, num_iters)
   diff = gaussian.make_diffusion(num_train_steps, respacing)
   fn = functools.partial(rl_step, graphdef, tx, diff, scfg, bcfg, lcfg, sequential, num_inner)
-  return tx, jax.jit(fn, donate_argnums=0)
+  if mesh is None:
+    return tx, jax.jit(fn, donate_argnums=0)
+  policy, frozen = (sharding.abstract(sig) for sig in sigs)
+  return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, ids_ndim))
 
 
 def _evaluate(graphdef, params, model_cfg, config, records):
@@ -130,25 +150,38 @@ class Setup:
   rollout_fn: object
   diff: gaussian.Diffusion
   static: tuple  # (SamplerConfig, BatchConfig, LossConfig, sequential) from :func:`configs_from`
+  mesh: object
+  state_shardings: dict
 
   def init_state(self) -> dict:
-    return dict(step=jnp.int32(0), policy=self.policy, opt=self.tx.init(self.policy))
+    policy = jax.tree.map(jnp.copy, self.policy)  # the state is donated to the step; self.policy stays valid
+    return jax.device_put(dict(step=jnp.int32(0), policy=policy, opt=self.tx.init(policy)), self.state_shardings)
 
 
-def setup(config) -> Setup:
-  """Load ``config.checkpoint`` (default: the shipped base) and build the static parts."""
+def setup(config, params_override=None) -> Setup:
+  """Load ``config.checkpoint`` (default: the shipped base), place it on the mesh of ``config.parallel`` and
+  build the static parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
   from margrpo_jax.jobs.sample import SHIPPED_BASE
-  model_cfg, graphdef, params = checkpoint.load_model(config.checkpoint or SHIPPED_BASE)
-  names = trainable_names(config)
+  model_cfg, graphdef, params = params_override or checkpoint.load_model(config.checkpoint or SHIPPED_BASE)
+  mesh = mesh_lib.make_mesh(config.parallel.mesh)
+  rules = sharding.hashable_rules(config.parallel.rules)
+  names = trainable_names(config, model_cfg)
+  params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
   policy = {k: params[k] for k in names}
   frozen = {k: v for k, v in params.items() if k not in names}
   static = configs_from(config)
+  sigs = (sharding.signature(policy), sharding.signature(frozen))
+  ids_ndim = checkpoint.FAMILIES[model_cfg.family].condition_ndim
   tx, step_fn = compiled_step(graphdef, model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps,
-                              *static, config.rl.num_inner, config.optim.to_json(), names, config.num_iters)
+                              *static, config.rl.num_inner, config.optim.to_json(), names, config.num_iters,
+                              mesh, rules, sigs, ids_ndim)
   diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps)
-  rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static[0], record=True)
-  return Setup(model_cfg, graphdef, params, policy, frozen, jax.tree.map(jnp.copy, policy), tx, step_fn,
-               rollout_fn, diff, static)
+  rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static[0], record=True, mesh=mesh, rules=rules,
+                                          params=params, ids_ndim=ids_ndim)
+  state_sh = step_shardings(mesh, rules, tx, policy, frozen, ids_ndim)["out_shardings"][0]
+  ref = jax.device_put(jax.tree.map(jnp.copy, policy), state_sh["policy"])  # frozen copy, never donated
+  return Setup(model_cfg, graphdef, params, policy, frozen, ref, tx, step_fn, rollout_fn, diff, static, mesh,
+               state_sh)
 
 
 def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> dict:
@@ -157,10 +190,11 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   g, p = config.rl.group_size, config.rl.prompts_per_iter
   r = np.random.default_rng([config.seed, it])
   mds = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
-  ids = jnp.asarray(text.tokenize([m["prompt"] for m in mds], s.model_cfg.text.max_len))
+  local = text.tokenize([m["prompt"] for m in mds[sharding.host_rows(len(mds))]], s.model_cfg.text.max_len)
+  ids = sharding.to_global(local, sharding.batch_sharding(s.mesh, 2))  # each host holds its share of prompts
   key = jax.random.fold_in(jax.random.key(config.seed), it)
   final, rec = s.rollout_fn({**s.frozen, **policy}, ids, rng.stream(key, "rollout"))
-  images = np.asarray(shapes.unpatchify(np.asarray(final)))
+  images = np.asarray(shapes.unpatchify(sharding.to_host(final)))
   reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds)
   return dict(mds=mds, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
 
@@ -212,6 +246,7 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
       state = dict(state, step=state["step"] + 1)
       continue
     adv = advantages.group_advantages(reward, g, config.rl.advantage)
+    adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
     state, m = s.step_fn(state, frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], rng.stream(ro["key"], "train"))
     m = {k: float(v) for k, v in jax.device_get(m).items()}
     strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))

@@ -55,6 +55,17 @@ class Record:
   cfg: jax.Array        # (N,) guidance scale of each step
   order: jax.Array      # (B, L) generation order
 
+  # (rank, batch axis) of every field, for sharding records over the mesh's batch axes
+  LAYOUT = dict(canvas=(4, 1), mask=(3, 1), positions=(3, 1), valid=(3, 1), z=(4, 1), z_u=(4, 1), xs=(5, 2),
+                std=(5, 2), logp=(4, 2), cfg=(1, None), order=(2, 0))
+
+  @classmethod
+  def shardings(cls, mesh):
+    """A ``Record`` of ``NamedSharding``: each field split along its batch axis."""
+    from margrpo_jax.parallel import sharding
+    return cls(**{k: sharding.replicated(mesh) if ax is None else sharding.batch_sharding(mesh, nd, ax)
+                  for k, (nd, ax) in cls.LAYOUT.items()})
+
 
 def head_output(model, x, t, z_cond, z_uncond=None, scale=None):
   """Diffusion-head output ``[eps | v]`` at state ``x``, guided when ``z_uncond`` is given."""
@@ -173,22 +184,34 @@ def score_step(model, diff: gaussian.Diffusion, cfg: SamplerConfig, rec: Record,
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(graphdef, diff_key, cfg: SamplerConfig, record: bool):
+def _jitted(graphdef, diff_key, cfg: SamplerConfig, record: bool, mesh=None, rules=None, sig=None, ids_ndim=2):
   diff = _DIFFS[diff_key]
 
   def fn(state, ids, key):
     model = nnx.merge(graphdef, state)
-    cond = model.text_encoder(ids)
-    return sample(model, diff, cfg, cond, model.text_encoder.null(ids.shape[0]), key, record)
+    return sample(model, diff, cfg, model.condition(ids), model.null_condition(ids.shape[0]), key, record)
 
-  return jax.jit(fn)
+  if mesh is None:
+    return jax.jit(fn)
+  from margrpo_jax.parallel import sharding
+  params = sharding.param_shardings(mesh, sharding.abstract(sig), rules)
+  ids = sharding.batch_sharding(mesh, ids_ndim)
+  out = (sharding.batch_sharding(mesh, 3), Record.shardings(mesh) if record else None)
+  return jax.jit(fn, in_shardings=(params, ids, sharding.replicated(mesh)), out_shardings=out)
 
 
 _DIFFS: dict = {}
 
 
-def make_sample_fn(graphdef, diff: gaussian.Diffusion, cfg: SamplerConfig, record: bool = False):
-  """A cached jitted ``fn(state, token_ids, key) -> (tokens, record)`` for a text-conditioned model."""
+def make_sample_fn(graphdef, diff: gaussian.Diffusion, cfg: SamplerConfig, record: bool = False, mesh=None,
+                   rules=(), params=None, ids_ndim: int = 2):
+  """A cached jitted ``fn(state, token_ids, key) -> (tokens, record)`` for a conditioned model; with a
+  ``mesh``, params (shaped like ``params``) are sharded by ``rules`` and the batch (condition ids of rank
+  ``ids_ndim``: (B, T) token ids, (B,) class labels) over the batch axes."""
   diff_key = (diff.num_steps, tuple(int(t) for t in diff.timesteps))
   _DIFFS.setdefault(diff_key, diff)
-  return _jitted(graphdef, diff_key, cfg, record)
+  if mesh is None:
+    return _jitted(graphdef, diff_key, cfg, record)
+  from margrpo_jax.parallel import sharding
+  return _jitted(graphdef, diff_key, cfg, record, mesh, sharding.hashable_rules(rules), sharding.signature(params),
+                 ids_ndim)

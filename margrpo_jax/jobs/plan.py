@@ -1,0 +1,112 @@
+r"""Plan a run before paying for it (``config.mode = 'plan'``): no parameter is ever allocated.
+
+1. The model is built abstractly (``nnx.eval_shape``); one line ``params/<component> = <count>`` per
+   component and ``params/total = <count>``.
+2. On the mesh of ``config.parallel`` (simulate a pod on CPU with
+   ``XLA_FLAGS=--xla_force_host_platform_device_count=N``), the sharded rollout and RL step are lowered
+   and compiled from ``ShapeDtypeStruct`` inputs carrying their shardings, and XLA's per-device memory
+   analysis (arguments, outputs, temporaries, code) and cost analysis (FLOPs) are printed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from margrpo_jax import checkpoint
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.parallel import mesh as mesh_lib, sharding
+from margrpo_jax.rl import train
+from margrpo_jax.sampling import sampler as sampler_lib
+
+GIB = 2.0 ** 30
+
+
+def param_counts(model_cfg) -> dict[str, int]:
+  """Parameters per top-level component, from abstract shapes."""
+  state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: checkpoint.build_model(model_cfg))))
+  return {k: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(v)) for k, v in state.items()}
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _memory_lines(name: str, compiled) -> list[str]:
+  m = compiled.memory_analysis()
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
+            "generated_code_size_in_bytes")
+  vals = {f: int(getattr(m, f, 0) or 0) for f in fields}
+  peak = vals["argument_size_in_bytes"] + vals["output_size_in_bytes"] + vals["temp_size_in_bytes"] \
+      - vals["alias_size_in_bytes"]
+  lines = [f"memory/{name}/{f.replace('_in_bytes', '')} = {v}" for f, v in vals.items()]
+  lines.append(f"memory/{name}/per_device_peak_gib = {peak / GIB:.3f}")
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  if cost and "flops" in cost:
+    lines.append(f"flops/{name}/per_device = {int(cost['flops'])}")
+  return lines
+
+
+class _Lines(list):
+  """The plan's lines, each also handed to ``emit`` as soon as it is known."""
+
+  def __init__(self, emit):
+    super().__init__()
+    self.emit = emit
+
+  def __iadd__(self, lines):
+    for line in lines:
+      self.append(line)
+      self.emit(line)
+    return self
+
+
+def plan(config, emit=lambda line: None) -> list[str]:
+  """The plan's lines; ``emit`` receives each one as soon as it is computed (compiles take minutes)."""
+  counts = param_counts(config.model)
+  lines = _Lines(emit)
+  lines += [f"params/{k} = {v}" for k, v in counts.items()] + [f"params/total = {sum(counts.values())}"]
+  mesh = mesh_lib.make_mesh(config.parallel.mesh)
+  lines += [f"mesh = {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices"]
+  if not config.plan.compile:
+    return list(lines)
+  rules = sharding.hashable_rules(config.parallel.rules)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(config.model)))
+  params = nnx.to_pure_dict(state)
+  params = _abstract(params, sharding.param_shardings(mesh, params, rules))
+  names = train.trainable_names(config, config.model)
+  policy = {k: params[k] for k in names}
+  frozen = {k: v for k, v in params.items() if k not in names}
+  batch = config.rl.group_size * config.rl.prompts_per_iter
+  divisor = mesh.shape["data"] * mesh.shape["fsdp"]
+  if batch % divisor:
+    raise ValueError(f"rl.group_size x rl.prompts_per_iter = {batch} images is not divisible by the batch axes "
+                     f"data x fsdp = {divisor}.")
+  ndim = checkpoint.FAMILIES[config.model.family].condition_ndim  # (B,) class labels or (B, T) token ids
+  ids_shape = (batch,) if ndim == 1 else (batch, config.model.text.max_len)
+  ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))
+  static = train.configs_from(config)
+  diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps, config.sampling.diffusion_steps)
+  rollout = sampler_lib.make_sample_fn(graphdef, diff, static[0], record=True, mesh=mesh, rules=rules,
+                                       params=params, ids_ndim=len(ids_shape))
+  lowered = rollout.lower(params, ids, key)
+  lines += _memory_lines("rollout", lowered.compile())
+  final, rec = jax.eval_shape(rollout, params, ids, key)
+  tx, step = train.compiled_step(graphdef, config.model.diffusion.num_train_steps, config.sampling.diffusion_steps,
+                                 *static, config.rl.num_inner, config.optim.to_json(), names, config.num_iters,
+                                 mesh, rules, (sharding.signature(policy), sharding.signature(frozen)),
+                                 len(ids_shape))
+  sh = train.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
+  state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
+  args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
+  args = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, sh)
+  lines += _memory_lines("rl_step", step.lower(*args).compile())
+  return list(lines)
+
+
+def run(config, workdir: str) -> list[str]:
+  del workdir  # nothing is written
+  return plan(config, emit=lambda line: print(line, flush=True))

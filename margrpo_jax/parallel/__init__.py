@@ -1,0 +1,1 @@
+"""Device meshes, logical-axis sharding rules and multi-host helpers (see :mod:`.mesh`, :mod:`.sharding`)."""

@@ -1,0 +1,155 @@
+"""Logical axes of every parameter, their mapping onto the mesh, and the shardings of states and batches.
+
+Each parameter gets logical axes from :data:`PARAM_AXES` (first regex matching its ``component/.../name``
+path); ``parallel.rules`` maps logical axes to mesh axes (:data:`.mesh.DEFAULT_RULES`: ``embed -> fsdp``,
+``mlp -> tensor``). A dimension whose size the mesh axes do not divide stays replicated, so tiny models run
+on any mesh. The frozen diffusion head (and anything else outside ``sharded``) is replicated.
+Optimizer state is sharded like its parameters (``optax.tree_map_params``); batches are split over
+``('data', 'fsdp')`` along their batch dimension.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from margrpo_jax.parallel.mesh import BATCH_AXES
+
+# (regex over "component/.../name", logical axes per dimension); first match wins
+PARAM_AXES = (
+    (r"/(qkv|fc1)/kernel$", ("embed", "mlp")),            # column-parallel: (D, 3D) / (D, 4D)
+    (r"/(qkv|fc1)/bias$", ("mlp",)),
+    (r"/(proj|fc2)/kernel$", ("mlp", "embed")),           # row-parallel: (D, D) / (4D, D)
+    (r"/(proj|fc2)/bias$", ("embed",)),
+    (r"/(z_proj|decoder_embed)/kernel$", (None, "embed")),
+    (r"/(z_proj|decoder_embed)/bias$", ("embed",)),
+    (r"/\w*norm\w*/(scale|bias)$|/z_proj_ln/(scale|bias)$", ("norm",)),
+    (r"pos_embed\w*$|/mask_token$|/null_embed$", (None, None, "embed")),   # (1, N, D)
+    (r"/fake_latent$", (None, "embed")),
+    (r"/(embedding|class_emb/embedding)$", ("vocab", "embed")),
+)
+REPLICATED_COMPONENTS = ("head",)  # the diffusion head: small, frozen in MAR-GRPO, replicated everywhere
+
+
+def path_str(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def logical_axes(path: str, ndim: int) -> tuple:
+  """The logical axes of parameter ``path``; replicated for :data:`REPLICATED_COMPONENTS`."""
+  if path.split("/")[0] in REPLICATED_COMPONENTS:
+    return (None,) * ndim
+  for pattern, axes in PARAM_AXES:
+    if re.search(pattern, path):
+      if len(axes) != ndim:
+        raise ValueError(f"sharding rule {pattern!r} gives {len(axes)} axes to parameter {path} of rank {ndim}.")
+      return axes
+  raise ValueError(f"parameter {path} has no logical-axis rule in margrpo_jax/parallel/sharding.py PARAM_AXES.")
+
+
+def spec_for(axes: tuple, shape: tuple, rules, mesh: Mesh) -> P:
+  """``PartitionSpec`` for ``axes`` under ``rules`` (list of [logical, mesh axes]); indivisible dims replicate."""
+  table = {logical: target for logical, target in rules}
+  used, out = set(), []
+  for logical, size in zip(axes, shape):
+    target = table.get(logical) if logical is not None else None
+    names = () if target is None else (tuple(target) if isinstance(target, (list, tuple)) else (target,))
+    names = tuple(n for n in names if n not in used and mesh.shape[n] > 1)
+    if names and size % math.prod(mesh.shape[n] for n in names) == 0:
+      used.update(names)
+      out.append(names[0] if len(names) == 1 else names)
+    else:
+      out.append(None)
+  return P(*out)
+
+
+def param_specs(params, rules, mesh: Mesh):
+  """A tree of ``PartitionSpec`` over ``params`` (arrays or ``ShapeDtypeStruct``)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: spec_for(logical_axes(path_str(p), len(x.shape)), x.shape, rules, mesh), params)
+
+
+def named(mesh: Mesh, specs):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def replicated(mesh: Mesh, tree=None):
+  """``NamedSharding(mesh, P())`` (for every leaf of ``tree`` when given)."""
+  r = NamedSharding(mesh, P())
+  return r if tree is None else jax.tree.map(lambda _: r, tree)
+
+
+def param_shardings(mesh: Mesh, params, rules):
+  return named(mesh, param_specs(params, rules, mesh))
+
+
+def opt_shardings(mesh: Mesh, tx: optax.GradientTransformation, params, shardings):
+  """Optimizer-state shardings: a leaf whose path ends in a parameter's path and whose shape equals that
+  parameter's (Adam moments, masked or not) is sharded like it; counters and the rest are replicated."""
+  by_path = {path_str(p): (x.shape, s) for (p, x), s in zip(
+      jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings))}
+  rep = NamedSharding(mesh, P())
+
+  def pick(path, leaf):
+    keys = path_str(path).split("/")
+    for i in range(len(keys)):
+      hit = by_path.get("/".join(keys[i:]))
+      if hit is not None and tuple(hit[0]) == tuple(leaf.shape):
+        return hit[1]
+    return rep
+
+  return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
+  """Split dimension ``axis`` of a rank-``ndim`` array over the batch axes ``('data', 'fsdp')``."""
+  spec = [None] * ndim
+  spec[axis] = BATCH_AXES
+  return NamedSharding(mesh, P(*spec))
+
+
+def batch_shardings(mesh: Mesh, tree, axis: int = 0):
+  return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x), axis), tree)
+
+
+def to_global(tree, shardings):
+  """Place host data as global arrays: ``device_put`` on one process; on several, each host's rows (its
+  share of the batch) become its shards via ``make_array_from_process_local_data``."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  return jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)), tree, shardings)
+
+
+def to_host(x) -> np.ndarray:
+  """A global array as numpy on every host (all-gathered across processes when there are several)."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def host_rows(n: int) -> slice:
+  """This process's contiguous share of ``n`` batch rows (all of them on a single process)."""
+  per = n // jax.process_count()
+  return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def signature(tree):
+  """A hashable description (structure, shapes, dtypes) of ``tree``, for caching compiled steps."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+def abstract(sig):
+  """The tree of ``ShapeDtypeStruct`` that :func:`signature` describes."""
+  treedef, leaves = sig
+  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, np.dtype(d)) for s, d in leaves])
+
+
+def hashable_rules(rules) -> tuple:
+  """``parallel.rules`` (lists from a config) as nested tuples."""
+  return tuple((a, tuple(b) if isinstance(b, (list, tuple)) else b) for a, b in rules)

@@ -1,0 +1,148 @@
+"""Sharded vs single-device checks on 8 simulated CPU devices, run by ``test_parallel.py`` in a subprocess
+(the device count must be fixed before JAX starts). Prints one JSON object of measured differences."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+jax.config.update("jax_threefry_partitionable", True)
+
+from conftest import smoke_config  # noqa: E402
+from margrpo_jax import config_files, rng  # noqa: E402
+from margrpo_jax.data import shapes  # noqa: E402
+from margrpo_jax.jobs import pretrain  # noqa: E402
+from margrpo_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
+from margrpo_jax.rl import advantages, train  # noqa: E402
+
+MESHES = {"8x1": dict(data=8, fsdp=1, tensor=1), "2x4": dict(data=2, fsdp=4, tensor=1),
+          "1x8": dict(data=1, fsdp=8, tensor=1), "2x2x2": dict(data=2, fsdp=2, tensor=2)}
+
+
+def max_diff(a, b) -> float:
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def pretrain_checks(config, recs, out):
+  """One pretraining step (fixed batch and key) on each mesh against the plain single-device step."""
+  graphdef, tx, state = pretrain.init_state(config)
+  batch = pretrain.make_batch(recs, 0, 16, 0, config.model.text.max_len)
+  ref_state, ref_m = pretrain.make_step_fn(graphdef, tx, config)(jax.tree.map(jnp.copy, state), batch)
+  ref_state = host(ref_state)
+  for name, shape in MESHES.items():
+    mesh = mesh_lib.make_mesh(shape)
+    st = jax.device_put(jax.tree.map(jnp.copy, state),
+                        pretrain.state_shardings(mesh, tx, state, config.parallel.rules))
+    fn = pretrain.make_step_fn(graphdef, tx, config, mesh, st)
+    b = sharding.to_global(batch, dict(ids=sharding.batch_sharding(mesh, 2), tokens=sharding.batch_sharding(mesh, 3)))
+    new, m = fn(st, b)
+    sharded = sum(1 for x in jax.tree.leaves(new["params"]) if not x.sharding.is_fully_replicated)
+    out[f"pretrain/{name}"] = dict(loss=abs(float(m["loss"]) - float(ref_m["loss"])),
+                                   params=max_diff(new["params"], ref_state["params"]),
+                                   opt=max_diff(new["opt"], ref_state["opt"]), sharded_leaves=sharded)
+  return host(state["params"])
+
+
+def rl_checks(params, model_cfg, graphdef, out):
+  """One MAR-GRPO update (MTE over 2 seeds, top-k, consistency) on each mesh against one device."""
+  c = config_files.load("shapes_rl", "margrpo,smoke")
+  c.rl.update(group_size=2, prompts_per_iter=8, mte_seeds=2, topk_fraction=0.5)
+  c.rl.rewards.update(shapes_partial=0.0, jpeg_compressibility=1.0)
+  c.optim.update(lr=1.0, eps=1.0)  # update ~ g / (|g| + 1): parameter differences track gradient differences
+  recs = shapes.split_records("train", num_train=400)
+  results = {}
+  for name, shape in [("1", dict(data=1, fsdp=1, tensor=1))] + list(MESHES.items()):
+    c.parallel.mesh.update(shape)
+    devices = jax.devices()[:1] if name == "1" else None
+    if devices:  # the single-device reference: a 1-device mesh
+      orig = mesh_lib.make_mesh
+      mesh_lib.make_mesh = lambda cfg, devices=devices: orig(cfg, devices)
+    s = train.setup(c, (model_cfg, graphdef, params))
+    if devices:
+      mesh_lib.make_mesh = orig
+    if name == "1":
+      ro = train.rollout(c, s, s.policy, recs, 0)
+      adv = np.asarray(advantages.group_advantages(ro["reward"], c.rl.group_size, c.rl.advantage))
+      inputs = host(dict(ids=ro["ids"], rec=ro["rec"], final=ro["final"]))
+    put = lambda x, sh: jax.device_put(x, sh)
+    ins = train.step_shardings(s.mesh, sharding.hashable_rules(c.parallel.rules), s.tx, s.policy, s.frozen)
+    sh = ins["in_shardings"]
+    frozen_before, ref_before = host(s.frozen), host(s.ref)
+    state, m = s.step_fn(s.init_state(), s.frozen, s.ref, put(inputs["ids"], sh[3]), put(adv, sh[4]),
+                         jax.tree.map(put, inputs["rec"], sh[5]), put(inputs["final"], sh[6]),
+                         rng.stream(ro["key"], "train"))
+    results[name] = host(dict(policy=state["policy"], loss=m["loss"], kl=m["kl"], keep=m["keep_frac"]))
+    out.setdefault("rl/untouched", []).append(
+        max_diff(s.frozen, frozen_before) == 0.0 and max_diff(s.ref, ref_before) == 0.0)
+    out.setdefault("rl/policy_moved", []).append(max_diff(state["policy"], s.policy))
+  for name in MESHES:
+    r, one = results[name], results["1"]
+    out[f"rl/{name}"] = dict(loss=abs(float(r["loss"]) - float(one["loss"])), kl=abs(float(r["kl"] - one["kl"])),
+                             keep=abs(float(r["keep"] - one["keep"])), params=max_diff(r["policy"], one["policy"]))
+
+
+def restore_checks(params, out):
+  """Save on a 2x4 mesh, restore onto 1x8 and onto one device."""
+  rules = sharding.hashable_rules(mesh_lib.config().rules)
+  m24 = mesh_lib.make_mesh(dict(data=2, fsdp=4, tensor=1))
+  saved = jax.device_put(params, sharding.param_shardings(m24, params, rules))
+  with tempfile.TemporaryDirectory() as d:
+    with ocp.StandardCheckpointer() as ck:
+      ck.save(os.path.join(d, "p"), saved)
+    for name, mesh in [("1x8", mesh_lib.make_mesh(dict(data=1, fsdp=8, tensor=1))),
+                       ("one", mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1), jax.devices()[:1]))]:
+      target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                            sharding.param_shardings(mesh, params, rules))
+      with ocp.StandardCheckpointer() as ck:
+        got = ck.restore(os.path.join(d, "p"), target)
+      ok = all(g.sharding == t.sharding for g, t in zip(jax.tree.leaves(got), jax.tree.leaves(target)))
+      out[f"restore/{name}"] = dict(diff=max_diff(got, params), shardings_match=ok)
+
+
+def plan_checks(out):
+  """Plan mode compiles the sharded rollout and RL step of the small model on a 2x4 mesh."""
+  from margrpo_jax.jobs import plan
+  c = config_files.load("shapes_rl", "margrpo,smoke")
+  c.model = smoke_config().model
+  c.rl.update(group_size=2, prompts_per_iter=4)
+  c.parallel.mesh.update(data=2, fsdp=4, tensor=1)
+  c.plan = dict(compile=True)
+  out["plan"] = plan.plan(c)
+
+
+def main():
+  out = {"devices": len(jax.devices())}
+  plan_checks(out)
+  config = smoke_config()
+  config.model.update(dict(backbone=dict(width=32, encoder_depth=1, decoder_depth=1, num_heads=2)))
+  config.optim.update(lr=1.0, eps=1.0, warmup_steps=1, decay="constant", grad_clip=1e9)
+  recs = shapes.split_records("train", num_train=400)
+  pretrain_checks(config, recs, out)  # update ~ g / (|g| + 1): parameter differences track gradient differences
+  config.optim.update(lr=3e-3, eps=1e-8, grad_clip=3.0)
+  # a briefly trained model for RL (a zero-initialised head gives degenerate log-probs)
+  graphdef, tx, st = pretrain.init_state(config)
+  step = pretrain.make_step_fn(graphdef, tx, config)
+  for i in range(30):
+    st, _ = step(st, pretrain.make_batch(recs, i, 16, 0, config.model.text.max_len))
+  params = host(st["params"])
+  rl_checks(params, config.model, graphdef, out)
+  restore_checks(params, out)
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()

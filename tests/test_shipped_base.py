@@ -1,9 +1,11 @@
-"""The shipped base checkpoint (the README's main job samples it) loads and follows the prompt's colour.
+"""The shipped base checkpoint (sampled by the README's main job) draws what single-object prompts ask for.
 
-It is an interim model: colours are right, shapes are still fragmented (strict pass 2.7% on the eval split,
-README). The test pins what it does: on single-object eval prompts, the dominant palette colour of the image
-is the prompt's colour for most images (measured when it was shipped: 32 of 32).
+Measured when it was shipped (README): strict pass 0.211 on the 512 eval prompts, 0.445 on the 128 single-object
+ones, with the main job's sampling defaults. The test samples 32 single-object eval prompts with those defaults
+and requires strict pass >= 0.25 (the shipped interim model of earlier sessions scored 0.10 there), and the
+prompt's colour to dominate >= 75 % of the images.
 """
+import jax
 import numpy as np
 
 from margrpo_jax import checkpoint, config_files, generate
@@ -12,23 +14,19 @@ from margrpo_jax.jobs import sample
 from margrpo_jax.rewards import shapes_verifier
 
 
-
-def _sample_config():
-  return config_files.load("shapes_sample")
-
-
-def test_shipped_base_follows_the_prompt_colour():
+def test_shipped_base_draws_single_objects():
   cfg, graphdef, params = checkpoint.load_model(sample.SHIPPED_BASE)
-  n = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(params))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   assert 1_000_000 < n < 5_000_000
   recs = [r for r in shapes.split_records("eval") if r["tag"] == "single_object"][:32]
-  images = generate.generate(graphdef, params, cfg, [r["prompt"] for r in recs], _sample_config().sampling,
-                             seed=0, batch_size=32)
+  images = generate.generate(graphdef, params, cfg, [r["prompt"] for r in recs],
+                             config_files.load("shapes_sample").sampling, seed=0, batch_size=32)
+  strict = np.mean([shapes_verifier.verify(im, r)["strict"] for im, r in zip(images, recs)])
   hits = 0
   for im, r in zip(images, recs):
     cls = shapes_verifier.classify_pixels(im)  # 0 black, 1..6 palette (COLORS order), 7 unknown
     counts = np.bincount(cls[(cls > 0) & (cls < 7)].ravel(), minlength=7)[1:]
     hits += counts.sum() > 0 and shapes.COLORS[int(np.argmax(counts))] == r["include"][0]["class"].split()[0]
-  rate = hits / len(recs)
-  print("dominant colour matches the prompt:", rate)
-  assert rate >= 0.75, rate
+  print("strict pass:", strict, "dominant colour matches the prompt:", hits / len(recs))
+  assert strict >= 0.25, strict
+  assert hits / len(recs) >= 0.75, hits / len(recs)

@@ -5,6 +5,7 @@ value, and a non-zero exit; nothing already saved is touched.
 """
 from __future__ import annotations
 
+import importlib
 import logging as std_logging
 import os
 import re
@@ -15,7 +16,10 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
-MODES = ("pretrain", "sample", "rl", "ablation", "plan", "export")
+# config.mode -> the module whose run(config, workdir) does the job
+JOBS = {"pretrain": "margrpo_jax.jobs.pretrain", "sample": "margrpo_jax.jobs.sample", "rl": "margrpo_jax.rl.train",
+        "ablation": "margrpo_jax.jobs.ablation", "plan": "margrpo_jax.jobs.plan", "export": "margrpo_jax.jobs.export"}
+MODES = tuple(JOBS)
 
 
 class UserError(Exception):
@@ -23,26 +27,9 @@ class UserError(Exception):
 
 
 def _dispatch(config, workdir: str):
-  if config.mode == "pretrain":
-    from margrpo_jax.jobs import pretrain
-    pretrain.run(config, workdir)
-  elif config.mode == "sample":
-    from margrpo_jax.jobs import sample
-    sample.run(config, workdir)
-  elif config.mode == "rl":
-    from margrpo_jax.rl import train
-    train.run(config, workdir)
-  elif config.mode == "ablation":
-    from margrpo_jax.jobs import ablation
-    ablation.run(config, workdir)
-  elif config.mode == "plan":
-    from margrpo_jax.jobs import plan
-    plan.run(config, workdir)
-  elif config.mode == "export":
-    from margrpo_jax.jobs import export
-    export.run(config, workdir)
-  else:
+  if config.mode not in JOBS:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
+  importlib.import_module(JOBS[config.mode]).run(config, workdir)
 
 
 class _QuietOrbax:

@@ -102,7 +102,7 @@ def plan(config, emit=lambda line: None) -> list[str]:
   sh = train.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
   state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
   args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
-  args = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, sh)
+  args = _abstract(args, sh)
   lines += _memory_lines("rl_step", step.lower(*args).compile())
   return list(lines)
 

@@ -77,10 +77,8 @@ def named(mesh: Mesh, specs):
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def replicated(mesh: Mesh, tree=None):
-  """``NamedSharding(mesh, P())`` (for every leaf of ``tree`` when given)."""
-  r = NamedSharding(mesh, P())
-  return r if tree is None else jax.tree.map(lambda _: r, tree)
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
 
 
 def param_shardings(mesh: Mesh, params, rules):
@@ -110,10 +108,6 @@ def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
   spec = [None] * ndim
   spec[axis] = BATCH_AXES
   return NamedSharding(mesh, P(*spec))
-
-
-def batch_shardings(mesh: Mesh, tree, axis: int = 0):
-  return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x), axis), tree)
 
 
 def to_global(tree, shardings):

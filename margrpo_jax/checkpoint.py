@@ -5,6 +5,7 @@ so ``load_model(dir)`` rebuilds the model without any other config.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -14,7 +15,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from margrpo_jax.models import class_mar, tiny
 
 
 class CheckpointError(ValueError):
@@ -38,14 +38,22 @@ def restore_latest(mngr: ocp.CheckpointManager, target):
   return step, mngr.restore(step, args=ocp.args.StandardRestore(abstract_like(target)))
 
 
-FAMILIES = {"tiny": tiny.TinyMAR, "mar": class_mar.ClassMAR}  # model.family -> class
+FAMILIES = {  # model.family -> "module:Class" (imported on first use)
+    "tiny": "margrpo_jax.models.tiny:TinyMAR",
+    "mar": "margrpo_jax.models.class_mar:ClassMAR",
+}
+
+
+def model_class(family: str):
+  if family not in FAMILIES:
+    raise CheckpointError(f"model.family={family!r} is not one of {', '.join(FAMILIES)}.")
+  module, name = FAMILIES[family].split(":")
+  return getattr(importlib.import_module(module), name)
 
 
 def build_model(model_cfg: ml_collections.ConfigDict, seed: int = 0):
   """The model of ``model_cfg.family`` (components are its top-level attributes: backbone, head, ...)."""
-  if model_cfg.family not in FAMILIES:
-    raise CheckpointError(f"model.family={model_cfg.family!r} is not one of {', '.join(FAMILIES)}.")
-  return FAMILIES[model_cfg.family](model_cfg, rngs=nnx.Rngs(seed))
+  return model_class(model_cfg.family)(model_cfg, rngs=nnx.Rngs(seed))
 
 
 def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dtype=None) -> str:

@@ -84,7 +84,7 @@ def plan(config, emit=lambda line: None) -> list[str]:
   if batch % divisor:
     raise ValueError(f"rl.group_size x rl.prompts_per_iter = {batch} images is not divisible by the batch axes "
                      f"data x fsdp = {divisor}.")
-  ndim = checkpoint.FAMILIES[config.model.family].condition_ndim  # (B,) class labels or (B, T) token ids
+  ndim = checkpoint.model_class(config.model.family).condition_ndim  # (B,) class labels or (B, T) token ids
   ids_shape = (batch,) if ndim == 1 else (batch, config.model.text.max_len)
   ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))

@@ -57,7 +57,7 @@ def configs_from(config):
 def trainable_names(config, model_cfg) -> tuple[str, ...]:
   """The components RL trains: the family's policy (e.g. text encoder + backbone), plus the head when
   ``rl.train_head`` (vanilla GRPO)."""
-  names = checkpoint.FAMILIES[model_cfg.family].policy_components
+  names = checkpoint.model_class(model_cfg.family).policy_components
   return names + ("head",) if config.rl.train_head else names
 
 
@@ -171,7 +171,7 @@ def setup(config, params_override=None) -> Setup:
   frozen = {k: v for k, v in params.items() if k not in names}
   static = configs_from(config)
   sigs = (sharding.signature(policy), sharding.signature(frozen))
-  ids_ndim = checkpoint.FAMILIES[model_cfg.family].condition_ndim
+  ids_ndim = checkpoint.model_class(model_cfg.family).condition_ndim
   tx, step_fn = compiled_step(graphdef, model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps,
                               *static, config.rl.num_inner, config.optim.to_json(), names, config.num_iters,
                               mesh, rules, sigs, ids_ndim)

@@ -1,0 +1,59 @@
+"""Convert an official checkpoint into a params-only Orbax export that every job loads with ``--config.checkpoint``.
+
+    python -m margrpo_jax.convert --family=mar --src=checkpoint-last.pth --out=DIR [--size=base] [--dtype=bfloat16]
+
+Every source key is used or deliberately ignored and every target parameter is filled; a mismatch ends in one
+sentence naming the key and exit code 2. Families are modules of this package with
+``convert(state_dict, origin, size) -> (model_cfg, params, report)`` and a ``PREFER`` tuple (which sub-dict of a
+``.pth`` holds the weights to use, EMA first).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+from absl import app, flags
+
+FAMILIES = {  # --family -> module of margrpo_jax.convert
+    "mar": "mar",
+}
+
+_FAMILY = flags.DEFINE_string("family", None, f"one of {', '.join(FAMILIES)}")
+_SRC = flags.DEFINE_string("src", None, "official checkpoint: a .pth/.bin/.safetensors file or a folder of shards")
+_OUT = flags.DEFINE_string("out", None, "output folder (model.json + params/)")
+_SIZE = flags.DEFINE_string("size", None, "model size when it cannot be read from the weights")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of the written parameters")
+
+
+def run(family: str, src: str, out: str, size: str | None = None, dtype: str = "float32") -> dict:
+  """Convert ``src`` and write ``out``; returns the coverage report."""
+  from margrpo_jax import checkpoint
+  from margrpo_jax.convert import core
+  if family not in FAMILIES:
+    raise core.ConversionError(f"--family={family!r} is not one of {', '.join(FAMILIES)}.")
+  module = importlib.import_module(f"margrpo_jax.convert.{FAMILIES[family]}")
+  sd = core.state_dict(core.read_checkpoint(src), prefer=getattr(module, "PREFER", ()), origin=src)
+  model_cfg, params, report = module.convert(sd, origin=src, size=size)
+  checkpoint.save_model(out, params, model_cfg, dtype=None if dtype == "float32" else dtype)
+  return report
+
+
+def main(argv):
+  del argv
+  from margrpo_jax.convert.core import ConversionError
+  missing = [n for n, f in (("family", _FAMILY), ("src", _SRC), ("out", _OUT)) if not f.value]
+  if missing:
+    print(f"error: --{missing[0]} is required.", file=sys.stderr)
+    sys.exit(2)
+  try:
+    report = run(_FAMILY.value, _SRC.value, _OUT.value, _SIZE.value, _DTYPE.value)
+  except ConversionError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(report, indent=1))
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

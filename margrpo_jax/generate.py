@@ -1,6 +1,8 @@
-"""Batched generation for a list of prompts and shapes-world scoring, shared by every job.
+"""Batched generation for a list of prompts (any model family) and shapes-world scoring, shared by every job.
 
-Prompts are cut into fixed-size batches (the last one padded) so one compiled sampler serves them all.
+The model class of ``model_cfg.family`` turns prompts into condition ids (``prompt_ids``: shapes-world token
+ids, MAR class labels, a text family's tokenizer) and sampled token canvases into uint8 images
+(``decode_images``: shapes-world unpatchify, or a VAE export). Prompts are cut into fixed-size batches (the last one padded) so one compiled sampler serves them all.
 Batch ``i`` draws from ``fold_in(key(seed), i)``: the same prompts, seed and batch size give the same
 images, bit for bit on CPU.
 """
@@ -13,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from margrpo_jax.data import shapes
+from margrpo_jax import checkpoint
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import text
 from margrpo_jax.rewards import shapes_verifier
 from margrpo_jax.sampling import sampler as sampler_lib
 
@@ -28,17 +29,18 @@ def sampler_config(cfg) -> sampler_lib.SamplerConfig:
 
 def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: int, batch_size: int,
              progress: bool = False) -> np.ndarray:
-  """Images (N, 32, 32, 3) uint8 for ``prompts``."""
+  """Images (N, H, W, 3) uint8 for ``prompts`` (H, W: whatever the family decodes to)."""
+  family = checkpoint.model_class(model_cfg.family)
   diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, sampling.diffusion_steps)
   fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_config(sampling))
-  ids = text.tokenize(prompts, model_cfg.text.max_len)
+  ids = np.asarray(family.prompt_ids(model_cfg, list(prompts)))
   n = len(prompts)
   nb = -(-n // batch_size)
-  ids = np.concatenate([ids, np.zeros((nb * batch_size - n, ids.shape[1]), ids.dtype)])
+  ids = np.concatenate([ids, np.zeros((nb * batch_size - n,) + ids.shape[1:], ids.dtype)])
   base, out, t0 = jax.random.key(seed), [], time.time()
   for i in range(nb):
     tokens, _ = fn(params, jnp.asarray(ids[i * batch_size:(i + 1) * batch_size]), jax.random.fold_in(base, i))
-    out.append(np.asarray(shapes.unpatchify(np.asarray(tokens))))
+    out.append(np.asarray(family.decode_images(model_cfg, np.asarray(tokens))))
     if progress:
       logging.info("generated %d / %d images (%.1f images/s)", min((i + 1) * batch_size, n), n,
                    min((i + 1) * batch_size, n) / (time.time() - t0))

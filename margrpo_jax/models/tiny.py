@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import jax
 import ml_collections
+import numpy as np
 from flax import nnx
 
+from margrpo_jax.data import shapes
 from margrpo_jax.models import text
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.mar import MARBackbone
@@ -48,4 +50,14 @@ class TinyMAR(nnx.Module):
 
   def tokenize(self, prompts):
     return text.tokenize(prompts, self.text_encoder.max_len)
+
+  @staticmethod
+  def prompt_ids(model_cfg: ml_collections.ConfigDict, prompts: list[str]) -> np.ndarray:
+    """Shapes-world token ids (N, text.max_len) int32."""
+    return text.tokenize(prompts, model_cfg.text.max_len)
+
+  @staticmethod
+  def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:
+    """Token canvases (N, 64, 48) -> (N, 32, 32, 3) uint8 images (the 4 x 4 patches put back in place)."""
+    return np.asarray(shapes.unpatchify(tokens))
 

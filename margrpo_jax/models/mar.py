@@ -42,35 +42,57 @@ def _pos_param(rngs, buffer_size, seq_len, width, init):
 class MARBackbone(nnx.Module):
   def __init__(self, *, seq_len: int, token_dim: int, buffer_size: int, width: int, encoder_depth: int,
                decoder_depth: int, num_heads: int, mlp_ratio: float = 4.0, pos_init: str = "normal",
-               rngs: nnx.Rngs):
+               pos_seq_len: int | None = None, rngs: nnx.Rngs):
     self.seq_len, self.token_dim, self.buffer_size, self.width = seq_len, token_dim, buffer_size, width
+    self.pos_seq_len = pos_seq_len = pos_seq_len or seq_len  # learned tables' image length (resized if != seq_len)
     self.z_proj = linear(token_dim, width, rngs)
     self.z_proj_ln = layer_norm(width, rngs)
-    self.encoder_pos_embed_learned = _pos_param(rngs, buffer_size, seq_len, width, pos_init)
+    self.encoder_pos_embed_learned = _pos_param(rngs, buffer_size, pos_seq_len, width, pos_init)
     self.encoder_blocks = nnx.List([Block(width, num_heads, mlp_ratio, rngs=rngs) for _ in range(encoder_depth)])
     self.encoder_norm = layer_norm(width, rngs)
     self.decoder_embed = linear(width, width, rngs)
     self.mask_token = normal_param(rngs, (1, 1, width))
-    self.decoder_pos_embed_learned = _pos_param(rngs, buffer_size, seq_len, width, pos_init)
+    self.decoder_pos_embed_learned = _pos_param(rngs, buffer_size, pos_seq_len, width, pos_init)
     self.decoder_blocks = nnx.List([Block(width, num_heads, mlp_ratio, rngs=rngs) for _ in range(decoder_depth)])
     self.decoder_norm = layer_norm(width, rngs)
-    self.diffusion_pos_embed_learned = nnx.Param(_pos_param(rngs, 0, seq_len, width, pos_init)[...])
+    self.diffusion_pos_embed_learned = nnx.Param(_pos_param(rngs, 0, pos_seq_len, width, pos_init)[...])
 
-  def __call__(self, tokens: jax.Array, mask: jax.Array, cond: jax.Array) -> jax.Array:
-    """``tokens`` (B, L, C) canvas, ``mask`` (B, L) with 1/True = unknown, ``cond`` (B, buffer, D) -> z (B, L, D)."""
+  def pos_table(self, table: nnx.Param, buffer: int) -> jax.Array:
+    """``table`` (1, buffer + pos_seq_len, D) for ``seq_len`` image tokens: the buffer rows as they are, the
+    image rows bilinearly resized (half-pixel, edge-clamped: PyTorch ``F.interpolate(align_corners=False)``
+    when upsampling) from the learned square grid to the run-time one (Harmon at 512 px: 16^2 -> 32^2)."""
+    t = table[...]
+    if self.pos_seq_len == self.seq_len:
+      return t
+    g0, g1 = (int(round(n ** 0.5)) for n in (self.pos_seq_len, self.seq_len))
+    img = t[0, buffer:].reshape(g0, g0, -1)
+    img = jax.image.resize(img, (g1, g1, img.shape[-1]), "linear", antialias=False).reshape(1, g1 * g1, -1)
+    return jnp.concatenate([t[:, :buffer], img.astype(t.dtype)], axis=1)
+
+  def encode(self, tokens: jax.Array, mask: jax.Array, cond: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MAE encoder: ``(x (B, buffer + L, D) after encoder_norm, visible (B, buffer + L) bool)``; rows at masked
+    positions are computed but never seen by visible ones (key mask) and are replaced in :meth:`decode`."""
     b = tokens.shape[0]
     chex.assert_shape(tokens, (b, self.seq_len, self.token_dim))
     chex.assert_shape(mask, (b, self.seq_len))
     chex.assert_shape(cond, (b, self.buffer_size, self.width))
     visible = jnp.concatenate([jnp.ones((b, self.buffer_size), bool), ~mask.astype(bool)], axis=1)
     x = jnp.concatenate([cond.astype(tokens.dtype), self.z_proj(tokens)], axis=1)
-    x = self.z_proj_ln(x + self.encoder_pos_embed_learned[...])
+    x = self.z_proj_ln(x + self.pos_table(self.encoder_pos_embed_learned, self.buffer_size))
     for blk in self.encoder_blocks:
       x = blk(x, visible)
-    x = self.decoder_embed(self.encoder_norm(x))
+    return self.encoder_norm(x), visible
+
+  def decode(self, x: jax.Array, visible: jax.Array) -> jax.Array:
+    """MAE decoder over all positions (mask token where not ``visible``) -> z (B, L, D) for the head."""
+    x = self.decoder_embed(x)
     x = jnp.where(visible[..., None], x, self.mask_token[...].astype(x.dtype))
-    x = x + self.decoder_pos_embed_learned[...]
+    x = x + self.pos_table(self.decoder_pos_embed_learned, self.buffer_size)
     for blk in self.decoder_blocks:
       x = blk(x)
     x = self.decoder_norm(x)
-    return x[:, self.buffer_size:] + self.diffusion_pos_embed_learned[...]
+    return x[:, self.buffer_size:] + self.pos_table(self.diffusion_pos_embed_learned, 0)
+
+  def __call__(self, tokens: jax.Array, mask: jax.Array, cond: jax.Array) -> jax.Array:
+    """``tokens`` (B, L, C) canvas, ``mask`` (B, L) with 1/True = unknown, ``cond`` (B, buffer, D) -> z (B, L, D)."""
+    return self.decode(*self.encode(tokens, mask, cond))

@@ -1,4 +1,15 @@
-"""MAR-B/L/H (class-conditional, as released by LTH14/mar) at real size: plan a sharded MAR-GRPO run.
+"""MAR-B/L/H (class-conditional, as released by LTH14/mar) at real size: sample a converted checkpoint, or plan a
+sharded MAR-GRPO run.
+
+Sample (prompts are class labels, "207" or "class 207"; images are 256 x 256 through the KL-16 export):
+python -m margrpo_jax.convert --family=mar --src=pretrained_models/mar/mar_base/checkpoint-last.pth --out=MAR_B
+python -m margrpo_jax.convert --family=kl16 --src=pretrained_models/vae/kl16.ckpt --out=KL16
+python -m margrpo_jax.main --config=configs/mar.py:base --config.mode=sample --workdir=W \
+    --config.checkpoint=MAR_B --config.model.vae_checkpoint=KL16 [--config.prompts=207,88,979]
+Generation defaults (MODELS.md 1.3): 64 AR steps, 100 diffusion steps, linear CFG 2.9 / 3.0 / 3.2 (B / L / H),
+temperature 1.0 (the README evaluates with 256 AR steps: --config.sampling.num_steps=256).
+
+Plan:
 
 python -m margrpo_jax.main --config=configs/mar.py:huge --config.mode=plan --workdir=W \
     [--config.parallel.mesh.fsdp=8 --config.parallel.mesh.data=1]
@@ -13,16 +24,25 @@ from margrpo_jax import config_files
 from margrpo_jax.models import class_mar
 
 
+CFG = {"base": 2.9, "large": 3.0, "huge": 3.2}  # MODELS.md 1.3 (README evaluation)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg or "base"
   if size not in class_mar.SIZES:
     raise ValueError(f"unknown config arg {size!r} for mar (sizes: {', '.join(class_mar.SIZES)})")
   c = config_files.load("shapes_rl", "margrpo")  # the RL schema and MAR-GRPO's stabilisers
   c.mode = "plan"
-  c.model = class_mar.mar_config(size)
+  c.model = class_mar.mar_config(size)  # model.vae_checkpoint: the KL-16 export (needed to sample)
+  # sample mode: the converted checkpoint (required), class-label prompts from a file or a comma-separated list
+  c.prompt_file = ""
+  c.prompts = "207,360,387,974,88,979,417,279"
+  c.max_prompts = 0
+  c.batch_size = 8
+  c.grid_size = 64
   c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)  # FSDP over every device: MAR-H's optimizer state is large
-  c.sampling.update(num_steps=64, diffusion_steps="100", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
-                    clip_denoised=False)
+  c.sampling.update(num_steps=64, diffusion_steps="100", cfg_scale=CFG[size], cfg_schedule="linear",
+                    temperature=1.0, clip_denoised=False)
   c.rl.update(group_size=4, prompts_per_iter=8, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=5,
               topk_fraction=0.3, remat=True)
   c.optim.update(lr=1e-6, grad_clip=1.0)

@@ -1,8 +1,14 @@
 """Sample a checkpoint on prompts and score the images (``config.mode = 'sample'``).
 
-Writes ``<workdir>/samples/<i>.png`` (one 32 x 32 image per prompt line i), ``<workdir>/grid.png``
-(captioned, with each image's verdict), ``<workdir>/scores.json`` (per-image strict pass / partial score
-and their means over prompts with shapes-world metadata) and prints the pass rate.
+Writes ``<workdir>/samples/<i>.png`` (one image per prompt line i, of the size the family decodes to: 32 x 32
+for the shapes world, 256 x 256 for MAR through KL-16), ``<workdir>/grid.png`` (captioned, with each image's
+verdict), ``<workdir>/scores.json`` (per-image strict pass / partial score and their means over prompts with
+shapes-world metadata; none for other prompts) and prints the pass rate.
+
+Configs of real families (those with a ``model`` block, e.g. configs/mar.py) must name ``config.checkpoint``
+(a converted export) and every path of their model block (``model.vae_checkpoint``, ``model.tokenizer_path``);
+those paths are written into the export's model config before sampling. Prompts come from ``config.prompt_file``,
+else a comma-separated ``config.prompts`` (when the config has one), else the shapes-world eval split.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ def load_prompts(config, workdir: str) -> list[dict]:
   """``[{'prompt', 'tag', 'metadata' (shapes metadata or None)}]`` from the prompt file or the eval split."""
   if config.prompt_file:
     recs = prompt_files.read_prompt_file(os.path.expanduser(config.prompt_file))
+  elif config.get("prompts"):
+    recs = [dict(prompt=p.strip()) for p in config.prompts.split(",") if p.strip()]
   else:
     data_dir = config.tfds_dir or os.path.join(workdir, "tfds")
     recs = tfds_builders.load_split("shapes_world", "eval", data_dir)
@@ -42,10 +50,28 @@ def _is_shapes(md: dict) -> bool:
     return False
 
 
-def run(config, workdir: str) -> dict:
-  recs = load_prompts(config, workdir)
+PATHS = ("vae_checkpoint", "tokenizer_path")  # model-block paths a real family needs at sampling time
+
+
+def load_for_sampling(config):
+  """``(checkpoint dir, model_cfg, graphdef, params)``; ``model_cfg`` carries ``config.model``'s paths."""
+  model = config.get("model")
+  if model is not None and not config.checkpoint:
+    raise checkpoint.CheckpointError("config.checkpoint is not set: convert the official weights with "
+                                     "`python -m margrpo_jax.convert` and pass the output folder.")
   ckpt = config.checkpoint or SHIPPED_BASE
   model_cfg, graphdef, params = checkpoint.load_model(ckpt)
+  for key in PATHS:
+    if model is not None and key in model:
+      model_cfg[key] = model[key]
+      if not model[key]:
+        raise checkpoint.CheckpointError(f"model.{key} is not set: pass --config.model.{key}=PATH.")
+  return ckpt, model_cfg, graphdef, params
+
+
+def run(config, workdir: str) -> dict:
+  recs = load_prompts(config, workdir)
+  ckpt, model_cfg, graphdef, params = load_for_sampling(config)
   logging.info("sampling %d prompts from %s", len(recs), ckpt)
   images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in recs], config.sampling,
                              seed=config.seed, batch_size=config.batch_size, progress=True)

@@ -4,12 +4,18 @@ The class embedding (or, for CFG and label drop, the learned ``fake_latent``) fi
 buffer slots of the backbone (MODELS.md section 1.2). ``class_emb`` and ``fake_latent`` live inside the
 ``backbone`` component, so the two components are exactly MODELS.md's "AR transformer" and "diffusion head"
 columns (MAR-B: 172,174,848 + 35,749,920 parameters).
+
+Prompts are class labels ("207" or "class 207"); sampled tokens are KL-16 latents (x 0.2325, raster order)
+decoded by the KL-16 export named by ``model_cfg.vae_checkpoint`` (``python -m margrpo_jax.convert --family=kl16``).
 """
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
@@ -30,6 +36,7 @@ def mar_config(size: str = "base") -> ml_collections.ConfigDict:
                     pos_init="normal"),
       head=dict(width=head_width, depth=head_depth),
       diffusion=dict(num_train_steps=1000, sampling_steps="100"),
+      vae_checkpoint="",  # the KL-16 export that decodes the tokens (set at sampling time)
   ))
 
 
@@ -67,4 +74,22 @@ class ClassMAR(nnx.Module):
 
   def null_condition(self, batch: int) -> jax.Array:
     return self.backbone.null(batch)
+
+  @staticmethod
+  def prompt_ids(model_cfg: ml_collections.ConfigDict, prompts: list[str]) -> np.ndarray:
+    """Class labels (N,) int32 from prompts like ``"207"`` or ``"class 207"``."""
+    out = []
+    for p in prompts:
+      m = re.fullmatch(r"\s*(?:class\s*)?(\d+)\s*", p, re.IGNORECASE)
+      if not m or int(m.group(1)) >= model_cfg.num_classes:
+        raise ValueError(f"MAR prompt {p!r} is not a class label in 0..{model_cfg.num_classes - 1} "
+                         "(write '207' or 'class 207').")
+      out.append(int(m.group(1)))
+    return np.asarray(out, np.int32)
+
+  @staticmethod
+  def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:
+    """Token canvases (N, seq_len, 16) -> (N, 16 * grid, 16 * grid, 3) uint8 through the KL-16 export."""
+    from margrpo_jax.models import vae
+    return vae.decode_tokens(model_cfg.get("vae_checkpoint"), tokens)
 

@@ -17,6 +17,8 @@ from absl import app, flags
 
 FAMILIES = {  # --family -> module of margrpo_jax.convert
     "mar": "mar",
+    "kl16": "kl16",
+    "sdvae": "sdvae",
 }
 
 _FAMILY = flags.DEFINE_string("family", None, f"one of {', '.join(FAMILIES)}")

@@ -18,7 +18,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
 # config.mode -> the module whose run(config, workdir) does the job
 JOBS = {"pretrain": "margrpo_jax.jobs.pretrain", "sample": "margrpo_jax.jobs.sample", "rl": "margrpo_jax.rl.train",
-        "ablation": "margrpo_jax.jobs.ablation", "plan": "margrpo_jax.jobs.plan", "export": "margrpo_jax.jobs.export"}
+        "ablation": "margrpo_jax.jobs.ablation", "plan": "margrpo_jax.jobs.plan", "export": "margrpo_jax.jobs.export",
+        "eval": "margrpo_jax.jobs.eval"}
 MODES = tuple(JOBS)
 
 

@@ -41,6 +41,7 @@ def restore_latest(mngr: ocp.CheckpointManager, target):
 FAMILIES = {  # model.family -> "module:Class" (imported on first use)
     "tiny": "margrpo_jax.models.tiny:TinyMAR",
     "mar": "margrpo_jax.models.class_mar:ClassMAR",
+    "imagereward": "margrpo_jax.models.blip:ImageReward",
     "vae": "margrpo_jax.models.vae:AutoencoderKL",
 }
 

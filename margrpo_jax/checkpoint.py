@@ -41,6 +41,7 @@ def restore_latest(mngr: ocp.CheckpointManager, target):
 FAMILIES = {  # model.family -> "module:Class" (imported on first use)
     "tiny": "margrpo_jax.models.tiny:TinyMAR",
     "mar": "margrpo_jax.models.class_mar:ClassMAR",
+    "clip": "margrpo_jax.models.clip:CLIP", "aesthetic": "margrpo_jax.models.clip:AestheticHead",
     "imagereward": "margrpo_jax.models.blip:ImageReward",
     "vae": "margrpo_jax.models.vae:AutoencoderKL",
 }

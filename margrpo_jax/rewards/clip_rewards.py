@@ -227,8 +227,8 @@ def aesthetic(cfg) -> Callable:
   """LAION aesthetic: ``head(normalised image embedding)`` of the CLIP export ``checkpoint`` and head ``head``."""
   from margrpo_jax.rewards import registry
   enc = encoders(cfg, "aesthetic", "pil")
-  head_cfg, head_def, head_params = _load(
-      cfg, "aesthetic", "head", "aesthetic", "convert the head .pth with python -m margrpo_jax.convert --family=aesthetic.")
+  hint = "convert the head .pth with python -m margrpo_jax.convert --family=aesthetic."
+  head_cfg, head_def, head_params = _load(cfg, "aesthetic", "head", "aesthetic", hint)
   variant = cfg.get("variant", "") or head_cfg.variant
   if variant != head_cfg.variant:
     raise ValueError(f"rewards.aesthetic.variant={variant!r} but rewards.aesthetic.head holds a {head_cfg.variant} "

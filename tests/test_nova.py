@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from test_phi2 import read_keys, synthetic
 
-from margrpo_jax.convert import core, nova as nova_convert
+from margrpo_jax.convert import core, nova as nova_convert, phi2 as phi2_convert
 from margrpo_jax.models import nova, phi2
 
 D, HEADS, W, TOK = 32, 2, 24, 48        # tiny widths: transformer, heads, head MLP, text feature dim
@@ -196,15 +196,34 @@ def pair():
   cfg = tiny_config()
   ref = torch_reference(torch, cfg)
   sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
-  phi = nnx.state(phi2.Phi2(cfg.text_encoder, rngs=nnx.Rngs(1)))
-  text_sd = {"model." + k.replace("/", ".").replace("kernel", "weight").replace("scale", "weight")
-             .replace("embedding", "weight"): (v.T if k.endswith("kernel") else v)
-             for k, v in core.flat_paths(jax.tree.map(np.asarray, nnx.to_pure_dict(phi))).items()}
+  text_sd = {k: 0.1 * v for k, v in synthetic(phi_layer0_keys(), {2560: TOK, 10240: 64, 51200: 40}, 1).items()}
   model_cfg, params, report = nova_convert.convert(sd, origin="tiny", text_sd=text_sd, model_cfg=cfg)
   model = nnx.eval_shape(lambda: nova.NOVA(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   nnx.replace_by_pure_dict(state, params)
-  return torch, ref, cfg, nnx.merge(graphdef, state)
+  return torch, ref, cfg, Jitted(graphdef, state)
+
+
+class Jitted:
+  """``m.call("backbone.encode_text", x)``: one jitted program per method (eager NNX dispatch is slow on CPU)."""
+
+  def __init__(self, graphdef, state):
+    self.graphdef, self.state, self.fns = graphdef, state, {}
+
+  def call(self, name: str, *args):
+    if name not in self.fns:
+      def fn(state, *a):
+        obj = nnx.merge(self.graphdef, state)
+        for part in name.split("."):
+          obj = getattr(obj, part)
+        return obj(*a)
+      self.fns[name] = jax.jit(fn, static_argnums=tuple(i + 1 for i, a in enumerate(args) if isinstance(a, int)))
+    return np.asarray(self.fns[name](self.state, *args))
+
+
+def phi_layer0_keys():
+  """keys_phi2_text_encoder.txt without layers 1..31 (a 1-layer Phi under the real names)."""
+  return {k: s for k, s in read_keys("keys_phi2_text_encoder.txt").items() if ".layers." not in k or ".layers.0." in k}
 
 
 def _latent(rng, b=2):
@@ -226,11 +245,11 @@ def test_condition_and_backbone_parity(pair):
   with torch.no_grad():
     c_ref = ref.condition(torch.from_numpy(text))
     z_ref = ref.backbone(torch.from_numpy(latent), torch.from_numpy(unknown), torch.from_numpy(prev_ids), c_ref)
-  c = model.backbone.encode_text(jnp.asarray(text))
-  np.testing.assert_allclose(np.asarray(c), c_ref.numpy(), atol=1e-4, rtol=1e-4)
+  c = model.call("backbone.encode_text", jnp.asarray(text))
+  np.testing.assert_allclose(c, c_ref.numpy(), atol=1e-4, rtol=1e-4)
   tokens = nova.patchify(cfg, latent.transpose(0, 2, 3, 1))
-  z = model.backbone(jnp.asarray(tokens), jnp.asarray(unknown), c)
-  np.testing.assert_allclose(np.asarray(z), z_ref.numpy(), atol=1e-4, rtol=1e-4)
+  z = model.call("backbone", jnp.asarray(tokens), jnp.asarray(unknown), jnp.asarray(c))
+  np.testing.assert_allclose(z, z_ref.numpy(), atol=1e-4, rtol=1e-4)
 
 
 def test_diffusion_mlp_parity(pair):
@@ -244,8 +263,8 @@ def test_diffusion_mlp_parity(pair):
   with torch.no_grad():
     want = ref.image_decoder(torch.from_numpy(latent), torch.from_numpy(t), torch.from_numpy(z)).numpy()
   x = nova.patchify(cfg, latent.transpose(0, 2, 3, 1))
-  got = model.head(jnp.asarray(x), jnp.asarray(t)[:, None], jnp.asarray(z))
-  np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+  got = model.call("head", jnp.asarray(x), jnp.asarray(t)[:, None], jnp.asarray(z))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
   np.testing.assert_array_equal(nova.unpatchify(cfg, x), latent.transpose(0, 2, 3, 1))
 
 
@@ -255,14 +274,16 @@ def test_text_features_null_rows_and_hooks(pair, tmp_path):
   _, _, cfg, model = pair
   ids = np.full((2, T), -1, np.int32)
   ids[0, :3] = [5, 7, 9]
-  feats = np.asarray(model.text_features(jnp.asarray(ids)))
-  phi = np.asarray(model.text_encoder(jnp.asarray(np.where(ids >= 0, ids, 0))))
-  null = np.asarray(model.null_text[...])[:T]
+  def parts(state, ids):
+    m = nnx.merge(model.graphdef, state)
+    return (m.text_features(ids), m.text_encoder(jnp.where(ids >= 0, ids, 0)), m.condition(ids[1:]),
+            m.null_condition(1))
+  feats, phi, cond, null_cond = map(np.asarray, jax.jit(parts)(model.state, jnp.asarray(ids)))
+  null = np.asarray(model.state["null_text"][...])[:T]
   np.testing.assert_allclose(feats[0, :3], phi[0, :3], atol=1e-6)
   np.testing.assert_array_equal(feats[0, 3:], null[3:])
   np.testing.assert_array_equal(feats[1], null)
-  np.testing.assert_allclose(np.asarray(model.condition(jnp.asarray(ids[1:]))),
-                             np.asarray(model.null_condition(1)), atol=1e-6)
+  np.testing.assert_allclose(cond, null_cond, atol=1e-5)
   with pytest.raises(phi2.TokenizerError, match="tokenizer_path is not set"):
     nova.NOVA.prompt_ids(cfg, ["a cat"])
   from margrpo_jax.checkpoint import CheckpointError
@@ -270,20 +291,54 @@ def test_text_features_null_rows_and_hooks(pair, tmp_path):
     nova.NOVA.decode_images(cfg, np.zeros((1, GRID[0] * GRID[1], 16), np.float32))
 
 
+def abstract_nova(cfg):
+  """Abstract params of NOVA(cfg) without tracing every block (``nnx.eval_shape`` is quadratic in the number of
+  parameters here): build one block per stack at full width, then repeat it (the stacks are homogeneous lists)."""
+  small = nova.nova_config(cfg.variant)
+  small.update(cfg)
+  small.update(video_depth=1, image_depth=2, encoder_depth=1)
+  small.head.depth = 1
+  small.text_encoder.depth = min(1, cfg.text_encoder.depth)
+  tree = core.abstract_params(small, lambda c: nova.NOVA(c, rngs=nnx.Rngs(0)))
+  rep = lambda blocks, n: {i: blocks[0] for i in range(n)}
+  bb = tree["backbone"]
+  bb["video_encoder"]["blocks"] = rep(bb["video_encoder"]["blocks"], cfg.video_depth)
+  bb["image_encoder"]["blocks"] = rep(bb["image_encoder"]["blocks"], cfg.image_depth)
+  tree["head"]["blocks"] = rep(tree["head"]["blocks"], cfg.head.depth)
+  if cfg.text_encoder.depth:
+    tree["text_encoder"]["layers"] = rep(tree["text_encoder"]["layers"], cfg.text_encoder.depth)
+  return tree
+
+
+def test_abstract_nova_equals_the_traced_model():
+  """The repeated-block shortcut gives exactly the tree of the traced model (tiny depths 3 / 4 / 3 / 2)."""
+  cfg = tiny_config(video_depth=3, image_depth=4, encoder_depth=2)
+  cfg.head.depth = 3
+  cfg.text_encoder.depth = 2
+  want = core.abstract_params(cfg, lambda c: nova.NOVA(c, rngs=nnx.Rngs(0)))
+  got = abstract_nova(cfg)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), core.flat_paths(got)) == \
+      jax.tree.map(lambda x: (x.shape, x.dtype), core.flat_paths(want))
+
+
 def test_converter_exact_key_names():
-  """Every key of keys_nova-d48w1024-sdxl1024.txt (1024->32, 2560->48, 512->16 null rows) and of
-  keys_phi2_text_encoder.txt (2560->48, 10240->64, 51200->60) is used, lm_head ignored with its reason; every
-  target leaf is filled; a missing key is named."""
+  """Every key of keys_nova-d48w1024-sdxl1024.txt (1024->32, 2560->48, 512->16 null rows; all 16 + 32 + 6 blocks)
+  is used and every target leaf filled, with a 1-layer Phi under the real key names (test_phi2 covers all 453 Phi
+  keys); lm_head is ignored with its reason; a missing key is named."""
   keys = read_keys("keys_nova-d48w1024-sdxl1024.txt")
   assert len(keys) == 659
   sd = synthetic(keys, {1024: 32, 2048: 64, 3072: 96, 4096: 128, 2560: 48, 512: 16})
-  text_sd = synthetic(read_keys("keys_phi2_text_encoder.txt"), {2560: 48, 10240: 64, 51200: 60}, 1)
+  phi_keys = phi_layer0_keys()
+  text_sd = synthetic(phi_keys, {2560: 48, 10240: 64, 51200: 60}, 1)
   cfg = tiny_config(image_depth=32, video_depth=16, encoder_depth=16)
   cfg.head.update(width=32, depth=6)
   cfg.text.update(null_rows=16)
-  cfg.text_encoder.update(depth=32, vocab_size=60)
-  model_cfg, params, report = nova_convert.convert(sd, origin="synthetic", text_sd=text_sd, model_cfg=cfg)
-  assert report["source_keys"] == 659 + 453 and report["used"] == 659 + 451
+  cfg.text_encoder.update(depth=1, vocab_size=60)
+  target = abstract_nova(cfg)
+  conv = nova_convert.converter(sd, text_sd, cfg, "synthetic", target)
+  params, report = conv.result(), conv.report()
+  assert report["source_keys"] == 659 + len(phi_keys) and report["used"] == 659 + len(phi_keys) - 2
+  assert report["ignored"][phi2_convert.LM_HEAD[1]] == 2
   np.testing.assert_array_equal(params["null_text"], sd["text_embed.weight"])
   np.testing.assert_array_equal(params["head"]["blocks"][5]["norm1"]["proj"]["kernel"],
                                 sd["image_decoder.blocks.5.norm1.proj.weight"].T)
@@ -291,7 +346,7 @@ def test_converter_exact_key_names():
                                 sd["image_encoder.patch_embed.proj.weight"].transpose(2, 3, 1, 0))
   del sd["image_encoder.blocks.17.attn.qkv.bias"]
   with pytest.raises(core.ConversionError, match=r"image_encoder\.blocks\.17\.attn\.qkv\.bias"):
-    nova_convert.convert(sd, origin="synthetic", text_sd=text_sd, model_cfg=cfg)
+    nova_convert.converter(sd, text_sd, cfg, "synthetic", target).result()
 
 
 class _ShapeConverter(core.Converter):
@@ -320,14 +375,10 @@ def test_full_size_key_lists_map_one_to_one():
   equal shapes and fills every transformer leaf (Phi-2 is checked in test_phi2); per-part parameter counts equal
   MODELS.md 3.7 (the 1.31 M null-text buffer is counted apart, as there)."""
   n = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
-  trees = {}
   for variant, want in COUNTS.items():
     cfg = nova.nova_config(variant)
     cfg.text_encoder.update(depth=0)  # the transformer at full size; Phi-2 itself is test_phi2's
-    arch = (cfg.width, tuple(cfg.head.values()), cfg.video_base_size[0] > 1)
-    if arch not in trees:
-      trees[arch] = core.abstract_params(cfg, lambda c: nova.NOVA(c, rngs=nnx.Rngs(0)))
-    target = trees[arch]
+    target = abstract_nova(cfg)
     sd = {k: np.broadcast_to(np.float32(0), s) for k, s in read_keys(f"keys_nova-{variant}.txt").items()}
     conv = _ShapeConverter(sd, {k: v for k, v in target.items() if k != "text_encoder"}, variant)
     nova_convert.convert_transformer(conv)

@@ -50,7 +50,7 @@ def fill(conv: Converter) -> None:
 
 def convert(sd, origin: str = "checkpoint", size: str | None = None):
   """``(model_cfg, params, report)`` for a flat HF ``CLIPModel`` state dict."""
-  cfg = clip_openclip.infer_config(sd, "hf", size)
+  cfg = clip_openclip.infer_config(sd, "hf", size, origin)
   conv = Converter(sd, clip_openclip.target(cfg), origin)
   fill(conv)
   return cfg, conv.result(), conv.report()

@@ -39,12 +39,12 @@ PROBES = {
 }
 
 
-def _depth(sd, block: str, fc1: str) -> tuple[int, int]:
+def _depth(sd, block: str, fc1: str, origin: str) -> tuple[int, int]:
   n = 0
   while block.format(i=n) + fc1 in sd:
     n += 1
   if not n:
-    raise ConversionError(f"the checkpoint has no key {block.format(i=0) + fc1!r}: not a CLIP of this layout.")
+    raise ConversionError(f"{origin} has no key {block.format(i=0) + fc1!r}: not a CLIP of this layout.")
   return n, sd[block.format(i=0) + fc1].shape[0]
 
 
@@ -62,16 +62,16 @@ def parse_size(size: str | None) -> tuple[str | None, dict]:
   return name, over
 
 
-def infer_config(sd, layout: str, size: str | None = None):
+def infer_config(sd, layout: str, size: str | None = None, origin: str = "the checkpoint"):
   """The CLIP config of a state dict: every dimension from the weights, heads and act from ``size``."""
   p = PROBES[layout]
   for k in (p["patch"], p["vpos"], p["vproj"][0], p["tok"], p["tpos"]):
     if k not in sd:
-      raise ConversionError(f"the checkpoint has no key {k!r}: not a CLIP in the {layout} layout.")
+      raise ConversionError(f"{origin} has no key {k!r}: not a CLIP in the {layout} layout.")
   vw, _, _, patch = sd[p["patch"]].shape
   grid = int(round(np.sqrt(sd[p["vpos"]].shape[0] - 1)))
-  vl, vmlp = _depth(sd, p["vblock"], p["fc1"])
-  tl, tmlp = _depth(sd, p["tblock"], p["fc1"])
+  vl, vmlp = _depth(sd, p["vblock"], p["fc1"], origin)
+  tl, tmlp = _depth(sd, p["tblock"], p["fc1"], origin)
   (ctx, tw), vocab = sd[p["tpos"]].shape, sd[p["tok"]].shape[0]
   name, over = parse_size(size)
   if name is None:  # match a known size on the weights
@@ -83,9 +83,9 @@ def infer_config(sd, layout: str, size: str | None = None):
     over = {"vision_heads": s[4], "text_heads": s[7], "act": s[8], **over}
   missing = [k for k in ("vision_heads", "text_heads", "act") if k not in over]
   if missing:
-    raise ConversionError(f"the weights (vision width {vw}, patch {patch}, {vl} layers; text width {tw}, {tl} "
-                          f"layers) are not a known size and --size does not give {', '.join(missing)}; pass "
-                          f"--size=NAME ({', '.join(clip.SIZES)}) or --size=vision_heads=H,text_heads=H,act=gelu.")
+    raise ConversionError(f"the weights of {origin} (vision width {vw}, patch {patch}, {vl} layers; text width "
+                          f"{tw}, {tl} layers) are not a known size and --size does not give {', '.join(missing)}; "
+                          f"pass --size=NAME ({', '.join(clip.SIZES)}) or --size=vision_heads=H,text_heads=H,act=gelu.")
   return clip.clip_config(
       embed_dim=int(sd[p["vproj"][0]].shape[p["vproj"][1]]), act=over["act"],
       vision=clip.tower_config(vw, vl, over["vision_heads"], vmlp, image_size=grid * patch, patch_size=patch),
@@ -156,7 +156,7 @@ def fill(conv: Converter) -> None:
 def convert(sd, origin: str = "checkpoint", size: str | None = None):
   """``(model_cfg, params, report)`` for a flat open_clip / OpenAI CLIP state dict."""
   sd = strip_module_prefix(sd)
-  cfg = infer_config(sd, "openclip", size)
+  cfg = infer_config(sd, "openclip", size, origin)
   conv = Converter(sd, target(cfg), origin)
   fill(conv)
   return cfg, conv.result(), conv.report()

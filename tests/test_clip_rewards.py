@@ -3,7 +3,8 @@
 * preprocessing: ``resize='pil'`` equals open_clip's eval transform (PIL bicubic ``Resize(224)``, ``CenterCrop``,
   ``ToTensor``, ``Normalize``) to atol 1e-6 (PIL's uint8 arithmetic is reproduced exactly); ``resize='tensor'``
   equals hpsv2's transform (``ToTensor`` then torchvision tensor ``Resize(224, bicubic, antialias)``) to atol 2e-4
-  (float32 weights in torch), on square, non-square, up- and down-scaled random images.
+  (float32 weights in torch), and ``'tensor_noaa'`` the same transform with ``antialias=False`` to atol 2e-4, on
+  square, non-square, up- and down-scaled random images.
 * rewards: each builder's scores on random uint8 images equal the oracle model + the formula written here
   (hps: raw cos and 100 cos on open_clip gelu with the hpsv2 transform; pickscore: ``transformers.CLIPModel``
   ``logits_per_image`` diagonal and raw cos, PIL transform; clip_score: raw, ``100 max(cos, 0)``,
@@ -38,7 +39,9 @@ def transforms():
   pil = image_transform(224, is_train=False, mean=m, std=s)
   tensor = T.Compose([T.ToTensor(), T.Resize(224, interpolation=T.InterpolationMode.BICUBIC), T.CenterCrop(224),
                       T.Normalize(m, s)])
-  return {"pil": pil, "tensor": tensor}
+  tensor_noaa = T.Compose([T.ToTensor(), T.Resize(224, interpolation=T.InterpolationMode.BICUBIC, antialias=False),
+                           T.CenterCrop(224), T.Normalize(m, s)])
+  return {"pil": pil, "tensor": tensor, "tensor_noaa": tensor_noaa}
 
 
 def oracle_pixels(images, how):
@@ -51,8 +54,9 @@ def oracle_pixels(images, how):
 def test_preprocess_matches_oracle_transforms(hw):
   import jax
   images = random_images(*hw, n=2)
-  both = jax.jit(lambda x: [clip_rewards.preprocess(x, 224, how) for how in ("pil", "tensor")])(images)
-  for how, got, atol in (("pil", both[0], 1e-6), ("tensor", both[1], ATOL)):
+  hows = ("pil", "tensor", "tensor_noaa")
+  got = jax.jit(lambda x: [clip_rewards.preprocess(x, 224, how) for how in hows])(images)
+  for how, got, atol in zip(hows, got, (1e-6, ATOL, ATOL)):
     np.testing.assert_allclose(np.asarray(got), oracle_pixels(images, how).numpy().transpose(0, 2, 3, 1), atol=atol)
 
 

@@ -24,6 +24,8 @@ separable (PIL's and torch's ``antialias=True`` kernel); then the centre crop wi
 
 * ``resize='tensor'`` (default of ``hps``: hpsv2's transform runs ``ToTensor`` first, then ``Resize`` on the float
   tensor): the resize is done in float32 on ``v / 255`` with no rounding -- torchvision's tensor path.
+* ``resize='tensor_noaa'``: the same with torchvision < 0.17's default for tensors (``antialias`` off): torch's
+  plain bicubic, a = -0.75 at the 4 nearest samples, border indices clamped (no widening when downscaling).
 * ``resize='pil'`` (default of the others: open_clip / OpenAI ``clip`` / HF CLIPImageProcessor resize PIL images):
   PIL's uint8 arithmetic, reproduced exactly -- weights in 22-bit fixed point, horizontal pass then vertical pass,
   each rounded and clipped to uint8.
@@ -37,7 +39,8 @@ How to use::
     scores = clip_rewards.hps(cfg)(images_uint8, prompts)            # (B,) float32
     # RL: --config.rl.rewards.hps=1.0 --config.rewards.hps.checkpoint=ckpt/hps --config.rewards.hps.vocab=...
 
-Options common to all: ``resize`` ('pil' | 'tensor'), ``batch_size`` (images per compiled call, default 16).
+Options common to all: ``resize`` ('pil' | 'tensor' | 'tensor_noaa'), ``batch_size`` (images per compiled call,
+default 16).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PIL_BITS = 22  # PIL's PRECISION_BITS for 8-bit images
 CONVENTIONS = ("raw", "torchmetrics", "clipscore")
+RESIZE = ("pil", "tensor", "tensor_noaa")
 
 
 # -- preprocessing ----------------------------------------------------------------------------------------------
@@ -66,15 +70,21 @@ def _cubic(x: np.ndarray, a: float = -0.5) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def resize_weights(n_in: int, n_out: int) -> np.ndarray:
-  """(n_out, n_in) float64 antialiased bicubic interpolation matrix (PIL ``precompute_coeffs`` / torch AA)."""
+def resize_weights(n_in: int, n_out: int, antialias: bool = True) -> np.ndarray:
+  """(n_out, n_in) float64 bicubic interpolation matrix. ``antialias``: PIL's ``precompute_coeffs`` / torch's AA
+  kernel (a = -0.5, support widened by the downscale factor, renormalised); else torch's plain bicubic
+  (``antialias=False``: a = -0.75 at the 4 nearest samples, indices clamped to the border)."""
   scale = n_in / n_out
-  filterscale = max(scale, 1.0)
-  support = 2.0 * filterscale
   w = np.zeros((n_out, n_in))
   for o in range(n_out):
-    center = (o + 0.5) * scale
-    lo, hi = max(int(center - support + 0.5), 0), min(int(center + support + 0.5), n_in)
+    if not antialias:
+      src = (o + 0.5) * scale - 0.5
+      i0 = int(np.floor(src))
+      for k in range(4):
+        w[o, min(max(i0 - 1 + k, 0), n_in - 1)] += _cubic(np.float64(src - i0 + 1 - k), a=-0.75)
+      continue
+    center, filterscale = (o + 0.5) * scale, max(scale, 1.0)
+    lo, hi = max(int(center - 2 * filterscale + 0.5), 0), min(int(center + 2 * filterscale + 0.5), n_in)
     k = _cubic((np.arange(lo, hi) - center + 0.5) / filterscale)
     w[o, lo:hi] = k / k.sum() if k.sum() != 0 else k
   return w
@@ -97,10 +107,10 @@ def _pil_pass(x: jax.Array, n_out: int, axis: int) -> jax.Array:
   return jnp.clip(jnp.right_shift(acc + (1 << (PIL_BITS - 1)), PIL_BITS), 0, 255)
 
 
-def _float_pass(x: jax.Array, n_out: int, axis: int) -> jax.Array:
+def _float_pass(x: jax.Array, n_out: int, axis: int, antialias: bool = True) -> jax.Array:
   if x.shape[axis] == n_out:
     return x
-  w = jnp.asarray(resize_weights(x.shape[axis], n_out), jnp.float32)
+  w = jnp.asarray(resize_weights(x.shape[axis], n_out, antialias), jnp.float32)
   return jnp.moveaxis(jnp.tensordot(jnp.moveaxis(x, axis, -1), w.T, axes=1, precision="highest"), -1, axis)
 
 
@@ -111,10 +121,11 @@ def preprocess(images: jax.Array, size: int = 224, resize: str = "pil", mean=OPE
   nh, nw = resized_size(h, w, size)
   if resize == "pil":  # horizontal pass first, as PIL does
     x = _pil_pass(_pil_pass(images.astype(jnp.int32), nw, 2), nh, 1).astype(jnp.float32) / 255.0
-  elif resize == "tensor":
-    x = _float_pass(_float_pass(images.astype(jnp.float32) / 255.0, nw, 2), nh, 1)
+  elif resize in RESIZE:
+    aa = resize == "tensor"
+    x = _float_pass(_float_pass(images.astype(jnp.float32) / 255.0, nw, 2, aa), nh, 1, aa)
   else:
-    raise ValueError(f"resize={resize!r} is not one of pil, tensor.")
+    raise ValueError(f"resize={resize!r} is not one of {', '.join(RESIZE)}.")
   top, left = int(round((nh - size) / 2.0)), int(round((nw - size) / 2.0))
   x = x[:, top:top + size, left:left + size]
   return (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
@@ -167,8 +178,8 @@ def encoders(cfg, name: str, default_resize: str, key: str = "checkpoint") -> En
   """The (cached, shared by every reward with the same export, resize and batch size) encoders of ``cfg.<key>``."""
   path = os.path.abspath(_path(cfg, name, key, _CONVERT))
   resize = cfg.get("resize", default_resize) or default_resize
-  if resize not in ("pil", "tensor"):
-    raise ValueError(f"rewards.{name}.resize={resize!r} is not one of pil, tensor.")
+  if resize not in RESIZE:
+    raise ValueError(f"rewards.{name}.resize={resize!r} is not one of {', '.join(RESIZE)}.")
   try:
     return _encoders(path, resize, int(cfg.get("batch_size", 16) or 16))
   except ValueError as e:

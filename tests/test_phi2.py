@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,9 +56,9 @@ def test_parity_with_transformers_phi(tiny_pair):
   ids = np.random.default_rng(1).integers(0, 97, (2, 11)).astype(np.int32)
   with torch.no_grad():
     want = ref.model(input_ids=torch.from_numpy(ids).long()).last_hidden_state.numpy()
-  graphdef, state = nnx.split(checkpoint.build_model(model_cfg))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(model_cfg)))
   nnx.replace_by_pure_dict(state, params)
-  got = np.asarray(nnx.merge(graphdef, state)(jnp.asarray(ids)))
+  got = np.asarray(jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, jnp.asarray(ids)))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -65,7 +66,7 @@ def test_rope_only_on_rotary_dims():
   """RoPE touches the first rotary_dim dims only and is the identity at position 0."""
   x = np.random.default_rng(0).standard_normal((1, 3, 2, 10)).astype(np.float32)
   cos, sin = phi2.rope_tables(3, 4, 1e4)
-  y = np.asarray(phi2.apply_partial_rope(jnp.asarray(x), cos, sin))
+  y = np.asarray(jax.jit(phi2.apply_partial_rope)(jnp.asarray(x), cos, sin))
   np.testing.assert_array_equal(y[..., 4:], x[..., 4:])
   np.testing.assert_allclose(y[:, 0], x[:, 0], atol=1e-7)
 
@@ -76,22 +77,39 @@ def test_converter_exact_key_names():
   keys = read_keys("keys_phi2_text_encoder.txt")
   assert len(keys) == 453
   sd = synthetic(keys, {2560: 32, 10240: 64, 51200: 50})
-  cfg, params, report = phi2_convert.convert(sd, origin="synthetic", head_dim=8)
+  cfg = phi2_convert.infer_config(sd, head_dim=8)
   assert (cfg.depth, cfg.width, cfg.num_heads, cfg.vocab_size) == (32, 32, 4, 50)
+  target = abstract_phi(cfg)
+
+  def run(sd):
+    conv = core.Converter(sd, target, "synthetic")
+    conv.ignore(*phi2_convert.LM_HEAD)
+    phi2_convert.convert_into(conv)
+    return conv.result(), conv.report()
+
+  params, report = run(sd)
   assert report["used"] == 451 and report["source_keys"] == 453
   np.testing.assert_array_equal(params["layers"][3]["self_attn"]["dense"]["kernel"],
                                 sd["model.layers.3.self_attn.dense.weight"].T)
   del sd["model.layers.5.mlp.fc2.bias"]
   with pytest.raises(core.ConversionError, match="layers.5.mlp.fc2.bias"):
-    phi2_convert.convert(sd, origin="synthetic", head_dim=8)
+    run(sd)
+
+
+def abstract_phi(cfg):
+  """Abstract Phi params: one layer traced, then repeated ``cfg.depth`` times (the layers are identical; tracing
+  all of them with ``nnx.eval_shape`` costs time quadratic in the number of parameters)."""
+  one = phi2.phi2_config(**{**cfg.to_dict(), "depth": 1})
+  tree = core.abstract_params(one, lambda c: phi2.Phi2(c, rngs=phi2_convert._rngs()))
+  tree["layers"] = {i: tree["layers"][0] for i in range(cfg.depth)}
+  return tree
 
 
 def test_full_size_parameter_count():
   """Abstract Phi-2 has MODELS.md 3.5's 2,648.56 M parameters (keys file minus lm_head)."""
-  import jax
   keys = read_keys("keys_phi2_text_encoder.txt")
   want = sum(int(np.prod(s)) for k, s in keys.items() if not k.startswith("lm_head"))
-  tree = core.abstract_params(phi2.phi2_config(), lambda c: phi2.Phi2(c, rngs=phi2_convert._rngs()))
+  tree = abstract_phi(phi2.phi2_config())
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)) == want
   assert round(want / 1e6, 2) == 2648.56
 

@@ -184,3 +184,20 @@ def test_errors_name_the_path(setup, tmp_path):
     clip_rewards.aesthetic(cfg(checkpoint=str(d / "openai"), head=str(d / "aes_v1"), variant="v2"))
   with pytest.raises(ValueError, match="convention='x'"):
     clip_rewards.clip_score(cfg(checkpoint=str(d / "openai"), convention="x"))
+
+
+def test_through_the_registry(setup):
+  """The registry's locked ``config.rewards`` defaults ('' options) reach the builders: weighted sum of hps and
+  clip_score equals the builders' own scores (same cached encoders, nothing recompiled)."""
+  from margrpo_jax.rewards import registry
+  d, _ = setup
+  settings = registry.settings_config()
+  settings.hps.update(checkpoint=str(d / "hps"), vocab=VOCAB, batch_size=2)
+  settings.clip_score.update(checkpoint=str(d / "openai"), vocab=VOCAB, batch_size=2)
+  settings.lock()
+  images = random_images(64, 64)
+  total, parts = registry.compute({"hps": 1.0, "clip_score": 0.5}, images, [{}] * 3, PROMPTS, settings)
+  hps = clip_rewards.hps(cfg(checkpoint=str(d / "hps")))(images, PROMPTS)
+  raw = clip_rewards.clip_score(cfg(checkpoint=str(d / "openai")))(images, PROMPTS)
+  np.testing.assert_allclose(parts["hps"], hps, atol=1e-6)
+  np.testing.assert_allclose(total, hps + 0.5 * raw, atol=1e-6)

@@ -43,6 +43,8 @@ FAMILIES = {  # model.family -> "module:Class" (imported on first use)
     "mar": "margrpo_jax.models.class_mar:ClassMAR",
     "clip": "margrpo_jax.models.clip:CLIP", "aesthetic": "margrpo_jax.models.clip:AestheticHead",
     "imagereward": "margrpo_jax.models.blip:ImageReward",
+    "phi2": "margrpo_jax.models.phi2:Phi2",
+    "nova": "margrpo_jax.models.nova:NOVA",
     "vae": "margrpo_jax.models.vae:AutoencoderKL",
 }
 

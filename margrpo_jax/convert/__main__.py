@@ -19,6 +19,8 @@ FAMILIES = {  # --family -> module of margrpo_jax.convert
     "mar": "mar",
     "clip_openclip": "clip_openclip", "clip_hf": "clip_hf", "aesthetic": "aesthetic",
     "imagereward": "imagereward",
+    "phi2": "phi2",
+    "nova": "nova",
     "kl16": "kl16",
     "sdvae": "sdvae",
 }

@@ -204,11 +204,11 @@ def _load(path: str):
     raise checkpoint.CheckpointError(f"{path} holds a {cfg.family!r} model, not a VAE export "
                                      "(convert one with --family=kl16 or --family=sdvae).")
   decode = jax.jit(lambda p, z: nnx.merge(graphdef, p).decode(z))
-  return cfg, params, decode
+  return cfg, graphdef, params, decode
 
 
 def load(path: str | None, what: str = "model.vae_checkpoint"):
-  """``(vae_cfg, params, jitted decode(params, latents))`` of a VAE export, loaded once per path."""
+  """``(vae_cfg, graphdef, params, jitted decode(params, latents))`` of a VAE export, loaded once per path."""
   from margrpo_jax.checkpoint import CheckpointError
   if not path:
     raise CheckpointError(f"{what} is not set: convert the VAE with `python -m margrpo_jax.convert "
@@ -232,7 +232,7 @@ def unpatchify_latents(tokens: np.ndarray, channels: int) -> np.ndarray:
 
 def decode_latents(path: str | None, latents: np.ndarray, what: str = "model.vae_checkpoint") -> np.ndarray:
   """Scaled NHWC latents -> (N, H, W, 3) uint8 through the VAE export at ``path``."""
-  _, params, decode = load(path, what)
+  _, _, params, decode = load(path, what)
   return to_uint8(decode(params, jnp.asarray(latents, jnp.float32)))
 
 

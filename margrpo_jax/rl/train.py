@@ -195,7 +195,8 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   key = jax.random.fold_in(jax.random.key(config.seed), it)
   final, rec = s.rollout_fn({**s.frozen, **policy}, ids, rng.stream(key, "rollout"))
   images = np.asarray(shapes.unpatchify(sharding.to_host(final)))
-  reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds)
+  reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds, settings=config.get("rewards"),
+                                   normalize_each=config.rl.get("reward_norm", "none"))
   return dict(mds=mds, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
 
 

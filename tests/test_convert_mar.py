@@ -170,11 +170,15 @@ def test_mar_b_converts_with_full_coverage_from_the_ema_copy(mar_b_converted):
 def test_converted_mar_b_runs_a_forward_pass(mar_b_converted):
   cfg, params, _, _ = mar_b_converted
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(cfg)))
-  model = nnx.merge(graphdef, params)
-  labels = class_mar.ClassMAR.prompt_ids(cfg, ["class 207"])
-  mask = jnp.ones((1, 256), bool).at[:, :8].set(False)
-  z = model.backbone(jnp.zeros((1, 256, 16)), mask, model.condition(jnp.asarray(labels)))
-  out = model.head(jnp.zeros((1, 4, 16)), jnp.full((1, 4), 999), z[:, :4])
+
+  @jax.jit  # one compile: faster than MAR-B's ops compiled one by one in eager mode
+  def forward(params, labels):
+    model = nnx.merge(graphdef, params)
+    mask = jnp.ones((1, 256), bool).at[:, :8].set(False)
+    z = model.backbone(jnp.zeros((1, 256, 16)), mask, model.condition(labels))
+    return z, model.head(jnp.zeros((1, 4, 16)), jnp.full((1, 4), 999), z[:, :4])
+
+  z, out = forward(params, jnp.asarray(class_mar.ClassMAR.prompt_ids(cfg, ["class 207"])))
   assert z.shape == (1, 256, 768) and out.shape == (1, 4, 32)
   assert np.isfinite(np.asarray(z)).all() and np.isfinite(np.asarray(out)).all()
 

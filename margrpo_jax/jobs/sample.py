@@ -89,7 +89,8 @@ def run(config, workdir: str) -> dict:
   n = min(len(recs), config.grid_size)
   footers = ["" if p["strict"] is None else ("PASS" if p["strict"] else "fail") + f" {p['partial']:.2f}"
              for p in per[:n]]
-  visualize.captioned_grid(images[:n], [r["prompt"] for r in recs[:n]], footers=footers).save(
+  scale = max(1, 128 // images.shape[1])  # 32 px shapes-world images x 4; 256 px and larger as they are
+  visualize.captioned_grid(images[:n], [r["prompt"] for r in recs[:n]], scale=scale, footers=footers).save(
       os.path.join(workdir, "grid.png"))
   if res["num_scored"]:
     print(f"strict pass rate {res['strict_pass']:.3f}, partial score {res['partial']:.3f} "

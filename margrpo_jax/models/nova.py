@@ -27,7 +27,9 @@ How to use:
     python -m margrpo_jax.convert --family=nova --src=nova-d48w1024-sdxl1024/transformer --out=NOVA   # + Phi-2
     model_cfg.tokenizer_path = "nova-d48w1024-sdxl1024/tokenizer"; model_cfg.vae_checkpoint = <sdvae export>
     ids = NOVA.prompt_ids(model_cfg, prompts)                # (N, 256) int32, -1 = padding
-    images = NOVA.decode_images(model_cfg, tokens)           # (N, L, 16) tokens -> (N, H, W, 3) uint8
+    fn = NOVA.make_sample_fn(graphdef, model_cfg, config.sampling)   # margrpo_jax/sampling/nova.py
+    tokens, _ = fn(params, ids, jax.random.key(0))          # (N, L, 16) scaled-latent tokens
+    images = NOVA.decode_images(model_cfg, tokens)           # -> (N, H, W, 3) uint8
 """
 from __future__ import annotations
 
@@ -307,6 +309,14 @@ class NOVA(nnx.Module):
   def prompt_ids(model_cfg: ml_collections.ConfigDict, prompts: list[str]) -> np.ndarray:
     """Phi-2 token ids (N, text.max_len) int32 from ``model_cfg.tokenizer_path``; -1 marks the padding."""
     return phi2.tokenize(prompts, model_cfg.get("tokenizer_path"), model_cfg.text.max_len)
+
+  @staticmethod
+  def make_sample_fn(graphdef, model_cfg: ml_collections.ConfigDict, sampling, record: bool = False):
+    """NOVA's own jitted sampler ``fn(state, ids, key) -> (tokens, record)`` (flow head, NOVA mask schedule)."""
+    from margrpo_jax.sampling import nova as nova_sampling
+    if model_cfg.video_base_size[0] > 1:
+      raise ValueError(f"NOVA {model_cfg.variant} is a text-to-video model; only text-to-image is implemented.")
+    return nova_sampling.make_sample_fn(graphdef, nova_sampling.sampler_config(sampling), record)
 
   @staticmethod
   def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:

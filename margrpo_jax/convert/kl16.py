@@ -16,6 +16,7 @@ the latent scale (0.2325) are KL-16's.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from margrpo_jax.convert.core import ConversionError, Converter, abstract_params
 from margrpo_jax.models import vae
@@ -26,7 +27,7 @@ PREFER = ("model", "state_dict")
 @dataclasses.dataclass(frozen=True)
 class Names:
   """Source key prefixes of one layout (``level(part, i, n)`` is level ``i`` of ``n`` in our numbering)."""
-  level: object                 # (part, i, n) -> prefix of level i
+  level: Callable[[str, int, int], str]  # (part, i, n) -> prefix of level i
   block: str                    # ResBlocks inside a level
   attn: str                     # attention blocks inside a level
   down: str                     # downsampling conv inside an encoder level

@@ -98,4 +98,5 @@ def test_geneval_subset_with_a_tiny_learned_reward(tmp_path):
   assert set(rows) == tasks | {"all"} and all(rows[t]["count"] == 2 for t in tasks)
   assert np.isfinite(rows["all"]["mean"]) and rows["all"]["std"] > 0
   assert res["rewards"]["shapes_strict"]["all"]["count"] == 0
-  assert "| imagereward | color_attr |" in (tmp_path / "w" / "eval.md").read_text()
+  md = (tmp_path / "w" / "eval.md").read_text()
+  assert "| imagereward | color_attr |" in md and "| shapes_strict |" not in md and "applicable" in md

@@ -134,10 +134,13 @@ def markdown(report: dict) -> str:
            "Checkpoints: " + ", ".join(f"`{k}` = `{v}`" for k, v in report["checkpoints"].items()) + ".", "",
            "## Rewards (mean ± std (images))", "", "| reward | category " + head, sep]
   first = res[labels[0]]["rewards"]
-  for name in first:
+  empty = [n for n in first if all(res[k]["rewards"][n]["all"]["count"] == 0 for k in labels)]
+  for name in (n for n in first if n not in empty):
     for cat in first[name]:
       lines.append(f"| {name} | {cat} | " + " | ".join(_cell(res[k]["rewards"][name].get(cat)) for k in labels)
                    + " |")
+  if empty:
+    lines += ["", f"Not applicable to any image (no shapes-world metadata): {', '.join(empty)}."]
   if "geneval" in res[labels[0]]:
     lines += ["", "## GenEval-style accuracy (strict pass per task; overall = mean over tasks)", "",
               "| task " + head, "|---|" + "---|" * len(labels)]

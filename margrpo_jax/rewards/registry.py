@@ -132,8 +132,11 @@ def compute(weights: dict[str, float], images, metadatas, prompts=None, settings
     raise ValueError(f"reward(s) {', '.join(unknown)} not in the registry (known: {', '.join(names())})")
   parts = {name: reward(name, images, metadatas, prompts, settings) for name, w in weights.items()
            if name in REWARDS or w}
-  total = sum(float(w) * normalize(parts[n], normalize_each) for n, w in weights.items() if w)
-  return np.asarray(total, np.float32), parts
+  total = np.zeros(len(images), np.float32)
+  for n, w in weights.items():
+    if w:
+      total = total + float(w) * normalize(parts[n], normalize_each)
+  return total.astype(np.float32), parts
 
 
 def batched_on_mesh(apply: Callable, params, batch_size: int, devices=None) -> Callable:

@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 
 from margrpo_jax.convert import __main__ as convert_cli, core
-from margrpo_jax.models import qwen2, qwen_tokenizer
+from margrpo_jax.models import qwen_tokenizer
 
-TINY = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-            intermediate_size=96, rope_theta=1e6, rms_eps=1e-6, tie_word_embeddings=True)
 ATOL = 1e-4  # float32 parity, activations O(1)
 
 
@@ -20,7 +18,7 @@ def hf(tmp_path_factory):
   import transformers
   torch.manual_seed(0)
   config = transformers.Qwen2Config(
-      vocab_size=TINY["vocab_size"], hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+      vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
       tie_word_embeddings=True, attn_implementation="eager")
   model = transformers.Qwen2ForCausalLM(config).eval()
@@ -84,9 +82,9 @@ def test_corrupted_key_is_named(hf):
     conv_qwen2.convert(sd, origin=hf[1])
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory):
-  """A small byte-level BPE ``tokenizer.json`` with Qwen's chat special tokens, trained here in milliseconds."""
+def build_tokenizer(folder) -> str:
+  """A small byte-level BPE ``tokenizer.json`` with Qwen's chat special tokens (trained in milliseconds) in
+  ``folder``; returns the folder. Ids stay below 320."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -95,9 +93,13 @@ def tokenizer_json(tmp_path_factory):
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(["Generate an image: a red apple on a table.", "Generate an image.", "user assistant"] * 5,
                           trainer)
-  folder = tmp_path_factory.mktemp("tok")
   tok.save(str(folder / "tokenizer.json"))
   return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory):
+  return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_tokenizer_applies_the_chat_template_exactly(tokenizer_json):

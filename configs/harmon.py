@@ -1,0 +1,52 @@
+"""Harmon-0.5B / 1.5B (wusize/Harmon: Qwen2.5 + MAR-B / MAR-H, 512 px) at real size: sample a converted
+checkpoint, or plan / run MAR-GRPO with the paper's Harmon hyper-parameters.
+
+Convert (the Qwen2.5 tokenizer.json beside the .pth puts the null prompt's ids into the export):
+python -m margrpo_jax.convert --family=harmon --src=harmon_0.5b.pth --out=HARMON_05
+python -m margrpo_jax.convert --family=kl16 --src=kl16.ckpt --out=KL16
+Sample (captions are wrapped in Harmon's chat prompt; CFG against "Generate an image."):
+python -m margrpo_jax.main --config=configs/harmon.py:0.5b --config.mode=sample --workdir=W \
+    --config.checkpoint=HARMON_05 --config.model.tokenizer_path=Qwen2.5-0.5B-Instruct \
+    --config.model.vae_checkpoint=KL16 [--config.prompts="a red apple,two cats"]
+Plan (parameters per component, MODELS.md 2.7; compile needs sharding rules for the LLM's parameters):
+python -m margrpo_jax.main --config=configs/harmon.py:1.5b --config.mode=plan --config.plan.compile=False --workdir=W
+
+Generation defaults (MODELS.md 2.3): 64 AR steps, 100 diffusion steps, CFG 3.0 constant, temperature 1.0.
+RL (ALGORITHM.md 10, Harmon column): G = 4, lr 1e-6 constant, AdamW (0.9, 0.999, 1e-8) wd 0, grad clip 1.0,
+beta 0.01, 12 of 64 AR steps and 10 diffusion steps scored, S = 5 MTE seeds, top 30 %, consistency selection,
+1200 iterations, reward HPS v2.1; only the MAR encoder / decoder is trained (``Harmon.policy_components``).
+``checkpoint``, ``model.tokenizer_path`` and ``model.vae_checkpoint`` must be set except in plan mode.
+"""
+import ml_collections
+
+from margrpo_jax import config_files
+from margrpo_jax.models import harmon
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  size = arg or "0.5b"
+  if size not in harmon.SIZES:
+    raise ValueError(f"unknown config arg {size!r} for harmon (sizes: {', '.join(harmon.SIZES)})")
+  c = config_files.load("shapes_rl", "margrpo")  # the RL schema and MAR-GRPO's stabilisers
+  c.mode = "plan"
+  c.model = harmon.harmon_config(size)  # model.tokenizer_path / model.vae_checkpoint: set to sample or train
+  c.num_iters = 1200
+  # sample mode: captions from a prompt file or a comma-separated list
+  c.prompt_file = ""
+  c.prompts = "a photo of a red apple on a wooden table,a cat sitting on a sofa"
+  c.max_prompts = 0
+  c.batch_size = 4
+  c.grid_size = 16
+  c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)
+  c.sampling.update(num_steps=64, diffusion_steps="100", cfg_scale=3.0, cfg_schedule="constant", temperature=1.0,
+                    clip_denoised=False)
+  c.rl.update(group_size=4, prompts_per_iter=3, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=5,
+              topk_fraction=0.3, consistency=True, beta=0.01, remat=True)
+  c.rl.rewards = ml_collections.ConfigDict(dict(hps=1.0))
+  from margrpo_jax.rewards import registry
+  if "rewards" not in c and hasattr(registry, "settings_config"):
+    c.rewards = registry.settings_config()  # config.rewards.hps.checkpoint / vocab: the converted HPS v2.1
+  c.optim.update(lr=1e-6, warmup_steps=0, decay="constant", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                 grad_clip=1.0)
+  c.plan = dict(compile=True)  # False: parameter counts only
+  return c

@@ -41,6 +41,7 @@ def restore_latest(mngr: ocp.CheckpointManager, target):
 FAMILIES = {  # model.family -> "module:Class" (imported on first use)
     "tiny": "margrpo_jax.models.tiny:TinyMAR",
     "mar": "margrpo_jax.models.class_mar:ClassMAR",
+    "qwen2": "margrpo_jax.models.qwen2:Qwen2Model", "harmon": "margrpo_jax.models.harmon:Harmon",
     "clip": "margrpo_jax.models.clip:CLIP", "aesthetic": "margrpo_jax.models.clip:AestheticHead",
     "imagereward": "margrpo_jax.models.blip:ImageReward",
     "phi2": "margrpo_jax.models.phi2:Phi2",

@@ -17,6 +17,7 @@ from absl import app, flags
 
 FAMILIES = {  # --family -> module of margrpo_jax.convert
     "mar": "mar",
+    "qwen2": "qwen2", "harmon": "harmon",
     "clip_openclip": "clip_openclip", "clip_hf": "clip_hf", "aesthetic": "aesthetic",
     "imagereward": "imagereward",
     "phi2": "phi2",

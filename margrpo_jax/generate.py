@@ -3,8 +3,8 @@
 The model class of ``model_cfg.family`` turns prompts into condition ids (``prompt_ids``: shapes-world token
 ids, MAR class labels, a text family's tokenizer) and sampled token canvases into uint8 images
 (``decode_images``: shapes-world unpatchify, or a VAE export). Prompts are cut into fixed-size batches (the
-last one padded) so one compiled sampler serves them all. Batch ``i`` draws from ``fold_in(key(seed), i)``: the same prompts, seed and batch size give the same
-images, bit for bit on CPU.
+last one padded) so one compiled sampler serves them all. Batch ``i`` draws from ``fold_in(key(seed), i)``:
+the same prompts, seed and batch size give the same images, bit for bit on CPU.
 """
 from __future__ import annotations
 

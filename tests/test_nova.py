@@ -15,6 +15,7 @@ from flax import nnx
 from test_phi2 import read_keys, synthetic
 
 from margrpo_jax.convert import core, nova as nova_convert, phi2 as phi2_convert
+from margrpo_jax.diffusion import flow
 from margrpo_jax.models import nova, phi2
 
 D, HEADS, W, TOK = 32, 2, 24, 48        # tiny widths: transformer, heads, head MLP, text feature dim
@@ -189,7 +190,7 @@ def torch_reference(torch, cfg):
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(tmp_path_factory):
   """(torch, torch reference, model_cfg, converted NOVA with a random Phi)."""
   torch = pytest.importorskip("torch")
   torch.manual_seed(0)
@@ -197,7 +198,12 @@ def pair():
   ref = torch_reference(torch, cfg)
   sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
   text_sd = {k: 0.1 * v for k, v in synthetic(phi_layer0_keys(), {2560: TOK, 10240: 64, 51200: 40}, 1).items()}
-  model_cfg, params, report = nova_convert.convert(sd, origin="tiny", text_sd=text_sd, model_cfg=cfg)
+  folder = tmp_path_factory.mktemp("pipeline")  # a pipeline layout: Phi-2 is read from ../text_encoder
+  (folder / "text_encoder").mkdir()
+  from safetensors.numpy import save_file
+  save_file(text_sd, str(folder / "text_encoder" / "model.safetensors"))
+  model_cfg, params, report = nova_convert.convert(sd, origin=str(folder / "transformer"), model_cfg=cfg)
+  assert report["ignored"][phi2_convert.LM_HEAD[1]] == 2
   model = nnx.eval_shape(lambda: nova.NOVA(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   nnx.replace_by_pure_dict(state, params)
@@ -414,12 +420,15 @@ def test_nova_mask_schedule():
 
 def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   """A converted tiny checkpoint (save_model / load_model round trip) samples through the family hooks: prompt ids
-  from a tokenizer.json, NOVA's sampler (4 AR steps, 3 Euler steps, CFG 5), a tiny SD-layout VAE export; every
-  token is decoded once, the ODE records zero log-probs, and the same key gives the same image."""
+  from a tokenizer.json, NOVA's sampler (4 AR steps, 3 flow steps, CFG 5, Flow-GRPO SDE noise 0.7 with a record),
+  a tiny SD-layout VAE export; every token is decoded once, the same key gives the same image, and every recorded
+  transition's log-prob recomputed from the record (score_step: backbone on the recorded canvas / mask, guided
+  head) equals the rollout's (rtol 1e-3, float32; the last step's std is ~3e-2 here)."""
   import ml_collections
   tokenizers = pytest.importorskip("tokenizers")
   from margrpo_jax import checkpoint
   from margrpo_jax.models import vae
+  from margrpo_jax.sampling import nova as nova_sampling
   _, _, cfg, model = pair
   ckpt = checkpoint.save_model(str(tmp_path / "nova"), nnx.to_pure_dict(model.state), cfg)
   model_cfg, graphdef, params = checkpoint.load_model(ckpt)
@@ -433,7 +442,7 @@ def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   model_cfg.update(tokenizer_path=str(tmp_path), vae_checkpoint=str(tmp_path / "vae"))
   family = checkpoint.model_class(model_cfg.family)
   ids = family.prompt_ids(model_cfg, ["a red cat", ""])
-  sampling = ml_collections.ConfigDict(dict(num_steps=4, diffusion_steps="3", cfg_scale=5.0, flow_noise_level=0.0))
+  sampling = ml_collections.ConfigDict(dict(num_steps=4, diffusion_steps="3", cfg_scale=5.0, flow_noise_level=0.7))
   fn = family.make_sample_fn(graphdef, model_cfg, sampling, record=True)
   tokens, rec = fn(params, jnp.asarray(ids), jax.random.key(0))
   tokens2, _ = fn(params, jnp.asarray(ids), jax.random.key(0))
@@ -441,6 +450,16 @@ def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   n_tok = GRID[0] * GRID[1]
   counts = np.asarray(rec.valid).sum(-1)[:, 0]
   assert counts.sum() == n_tok and np.all(np.asarray(rec.mask)[0])
-  assert np.all(np.asarray(rec.logp) == 0) and np.all(np.isfinite(np.asarray(tokens)))
+  assert np.all(np.isfinite(np.asarray(tokens)))
+  scfg = nova_sampling.sampler_config(sampling)
+
+  def rescore(state, ids, rec):
+    m = nnx.merge(graphdef, state)
+    return nova_sampling.score_step(m, scfg, rec, 1, m.condition(ids), m.null_condition(ids.shape[0]))
+
+  logp, std = jax.jit(rescore)(params, jnp.asarray(ids), rec)
+  np.testing.assert_allclose(np.asarray(logp), np.asarray(rec.logp[1]), rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(std)[:, 0, 0, 0], flow.make_flow(3, 0.7).std, rtol=1e-5)
   images = family.decode_images(model_cfg, np.asarray(tokens))
   assert images.shape == (2, 2 * GRID[0] * 2, 2 * GRID[1] * 2, 3) and images.dtype == np.uint8
+

@@ -63,6 +63,7 @@ def velocity(model, x, t, z_c, z_u=None, scale=None):
   """Head velocity at ``x`` (..., C), guided ``v_u + w (v_c - v_u)`` when ``z_u`` is given."""
   if z_u is None:
     return model.head(x, t, z_c)
+  t = t if t.shape[0] == 1 else jnp.concatenate([t, t])
   v_c, v_u = jnp.split(model.head(jnp.concatenate([x, x]), t, jnp.concatenate([z_c, z_u])), 2)
   return v_u + jnp.asarray(scale, v_c.dtype) * (v_c - v_u)
 
@@ -136,3 +137,28 @@ def make_sample_fn(graphdef, cfg: NovaSamplerConfig, record: bool = False):
     return sample(model, cfg, model.condition(ids), model.null_condition(ids.shape[0]), key, record)
 
   return jax.jit(fn)
+
+
+def score_step(model, cfg: NovaSamplerConfig, rec: Record, step: int, cond, null):
+  """Recompute the log-probs (T, B, K) and stds (T, B, K, C) of the recorded flow transitions of AR step ``step``:
+  ``z`` from the recorded canvas and mask, then every ``x_n -> x_{n+1}`` scored under the step's Gaussian."""
+  fsched = flow.make_flow(cfg.diffusion_steps, cfg.noise_level, cfg.shift)
+  r = jax.tree.map(lambda a: a[step], rec.replace(order=rec.order[None]))
+  bb, guided = model.backbone, cfg.cfg_scale != 1.0
+  if guided:
+    z_c, z_u = jnp.split(bb(jnp.concatenate([r.canvas, r.canvas]), jnp.concatenate([r.mask, r.mask]),
+                            jnp.concatenate([cond, null])), 2)
+  else:
+    z_c, z_u = bb(r.canvas, r.mask, cond), None
+  zc_sel, zu_sel = _gather(z_c, r.positions), None if z_u is None else _gather(z_u, r.positions)
+  t_count = fsched.num_steps
+  x, x_next = r.xs[:-1], r.xs[1:]  # (T, B, K, C)
+  ns = jnp.broadcast_to(jnp.arange(t_count)[:, None, None], x.shape[:-1])
+  rep = lambda a: None if a is None else jnp.broadcast_to(a, (t_count,) + a.shape)
+  t = jnp.asarray(fsched.t, jnp.float32)[:, None, None]  # (T, 1, 1): one time per flow step
+  fold = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])  # (T, B, ...) -> (T B, ...)
+  tt = jnp.broadcast_to(t, ns.shape)
+  v = velocity(model, fold(x), fold(tt), fold(rep(zc_sel)), fold(rep(zu_sel)), r.cfg)
+  mean, std = flow.mean_and_std(fsched, v.reshape(x.shape), x, ns)
+  std = jnp.broadcast_to(std, x.shape)
+  return flow.transition_logprob(x_next, mean, std).sum(-1), std

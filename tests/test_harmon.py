@@ -23,6 +23,18 @@ KEYS = os.path.join(os.path.dirname(SHARED_DATA), "spec", "keys")
 ATOL = 2e-4  # float32 parity of the whole backbone (encoder, 2-layer LLM, decoder), activations O(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fast_abstract_builds():
+  """Building a model under ``nnx.eval_shape`` is quadratic in its parameter count with jax 0.10.2 + flax 0.12.8:
+  flax's ``Variable.set_value`` probes ``getattr(tracer, 'sharding', None)``, and jax builds that AttributeError's
+  message by scanning the whole jaxpr (``find_progenitors``). Skipping only the message text makes the full-size
+  1.5B build ~15x faster (39 s -> 2.6 s measured); results are unchanged."""
+  from jax._src.interpreters import partial_eval as pe
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pe.DynamicJaxprTracer, "_origin_msg", lambda self: "")
+    yield
+
+
 def read_keys(name: str) -> dict[str, tuple]:
   out = {}
   with open(os.path.join(KEYS, name)) as f:

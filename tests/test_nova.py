@@ -462,3 +462,21 @@ def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   images = family.decode_images(model_cfg, np.asarray(tokens))
   assert images.shape == (2, 2 * GRID[0] * 2, 2 * GRID[1] * 2, 3) and images.dtype == np.uint8
 
+
+
+def test_config_variants_and_hyper_parameters():
+  """configs/nova.py: every variant name resolves; NOVA's generation defaults and the paper's RL settings."""
+  from margrpo_jax import config_files
+  for arg, variant in [("d48w1024", "d48w1024-sdxl1024"), ("sd512", "d48w1024-sd512"),
+                       ("d48w1536-sdxl1024", "d48w1536-sdxl1024")]:
+    c = config_files.load("nova", arg)
+    assert c.model.variant == variant and c.model.family == "nova"
+  s, rl = c.sampling, c.rl
+  assert (s.num_steps, s.diffusion_steps, s.cfg_scale, s.cfg_schedule, s.flow_noise_level) == (64, "25", 5.0,
+                                                                                               "constant", 0.0)
+  assert (rl.group_size, rl.num_ar_steps, rl.num_diffusion_steps, rl.mte_seeds, rl.topk_fraction, rl.beta,
+          rl.flow_noise_level, rl.channel_reduction) == (4, 12, 10, 3, 0.3, 0.01, 0.7, "mean")
+  assert (c.optim.lr, c.optim.grad_clip, c.num_iters) == (2e-6, 1.0, 1200)
+  assert (c.checkpoint, c.model.tokenizer_path, c.model.vae_checkpoint) == ("", "", "")
+  with pytest.raises(ValueError, match="unknown config arg 'w9' for nova"):
+    config_files.load("nova", "w9")

@@ -25,6 +25,9 @@ PARAM_AXES = (
     (r"/(qkv|fc1)/bias$", ("mlp",)),
     (r"/(proj|fc2)/kernel$", ("mlp", "embed")),           # row-parallel: (D, D) / (4D, D)
     (r"/(proj|fc2)/bias$", ("embed",)),
+    (r"/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", ("embed", "mlp")),  # Qwen2 (Harmon's LLM)
+    (r"/(q_proj|k_proj|v_proj)/bias$", ("mlp",)),
+    (r"/(o_proj|down_proj)/kernel$", ("mlp", "embed")),
     (r"/(z_proj|decoder_embed)/kernel$", (None, "embed")),
     (r"/(z_proj|decoder_embed)/bias$", ("embed",)),
     (r"/\w*norm\w*/(scale|bias)$|/z_proj_ln/(scale|bias)$", ("norm",)),

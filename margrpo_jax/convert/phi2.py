@@ -1,5 +1,4 @@
-"""Phi-2 (``PhiForCausalLM`` safetensors shards, e.g. NOVA's ``text_encoder/`` folder) -> :class:`~margrpo_jax.models.
-phi2.Phi2`.
+"""Phi-2 (``PhiForCausalLM`` safetensors shards, e.g. NOVA's ``text_encoder/``) -> :class:`models.phi2.Phi2`.
 
 Keys: ``keys/keys_phi2_text_encoder.txt`` (``model.embed_tokens``, ``model.layers.{i}.{self_attn.{q,k,v}_proj,
 self_attn.dense, mlp.fc1, mlp.fc2, input_layernorm}``, ``model.final_layernorm``); ``lm_head`` is ignored.

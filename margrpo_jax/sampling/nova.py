@@ -90,7 +90,7 @@ def sample(model, cfg: NovaSamplerConfig, cond: jax.Array, null: jax.Array, key:
   b, seq_len, c = cond.shape[0], bb.seq_len, bb.token_dim
   sched = nova_schedule(seq_len, cfg.num_steps)
   fsched = flow.make_flow(cfg.diffusion_steps, cfg.noise_level, cfg.shift)
-  guided = cfg.cfg_scale != 1.0
+  guided = cfg.cfg_scale > 1.0  # NOVA guides only above 1
   k_max = sched.max_count
   order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(
       jax.random.split(rng.stream(key, "order"), b)).astype(jnp.int32)
@@ -144,7 +144,7 @@ def score_step(model, cfg: NovaSamplerConfig, rec: Record, step: int, cond, null
   ``z`` from the recorded canvas and mask, then every ``x_n -> x_{n+1}`` scored under the step's Gaussian."""
   fsched = flow.make_flow(cfg.diffusion_steps, cfg.noise_level, cfg.shift)
   r = jax.tree.map(lambda a: a[step], rec.replace(order=rec.order[None]))
-  bb, guided = model.backbone, cfg.cfg_scale != 1.0
+  bb, guided = model.backbone, cfg.cfg_scale > 1.0
   if guided:
     z_c, z_u = jnp.split(bb(jnp.concatenate([r.canvas, r.canvas]), jnp.concatenate([r.mask, r.mask]),
                             jnp.concatenate([cond, null])), 2)

@@ -195,6 +195,7 @@ def torch_harmon():
   with torch.no_grad():
     for name, p in top.named_parameters():
       p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name or "_ln" in name else 0.3 * torch.randn_like(p))
+      p.copy_(p.bfloat16().float())  # bf16-exact, so that the bf16 .pth below is lossless
   top.eval()
   sd = {k: v.numpy() for k, v in top.state_dict().items()}
   head = synthetic([k for k in read_keys("keys_Harmon-0.5B.txt") if k.startswith("mar.diffloss.net.")
@@ -244,12 +245,17 @@ def reference_z(top, cfg, tokens, mask, ids, text_valid, pad_id=0):
 
 @pytest.fixture(scope="module")
 def converted(torch_harmon, tmp_path_factory):
-  """The torch model's state dict converted and exported (tokenizer.json beside it gives the null ids)."""
+  """The torch model saved as the released files are (a flat bf16 state dict ``.pth``), read back, converted and
+  exported; the tokenizer.json beside it gives the null prompt's ids."""
+  import torch
   cfg, _, sd = torch_harmon
   folder = tmp_path_factory.mktemp("harmon_src")
   build_tokenizer(folder)
-  cfg_out, params, _ = convert_harmon.convert(sd, origin=str(folder / "harmon_tiny.pth"),
-                                              model_cfg=cfg.copy_and_resolve_references())
+  path = str(folder / "harmon_tiny.pth")
+  torch.save({k: torch.from_numpy(v).bfloat16() for k, v in sd.items()}, path)
+  sd = core.state_dict(core.read_checkpoint(path), prefer=convert_harmon.PREFER, origin=path)
+  cfg_out, params, _ = convert_harmon.convert(sd, origin=path, model_cfg=cfg.copy_and_resolve_references())
+  assert cfg_out.text.null_ids and params["llm"]["norm"]["scale"].dtype == np.float32
   out = checkpoint.save_model(str(tmp_path_factory.mktemp("harmon_export")), params, cfg_out)
   model_cfg, graphdef, params = checkpoint.load_model(out)
   model_cfg.tokenizer_path = str(folder)

@@ -259,12 +259,12 @@ def converted(torch_harmon, tmp_path_factory):
   out = checkpoint.save_model(str(tmp_path_factory.mktemp("harmon_export")), params, cfg_out)
   model_cfg, graphdef, params = checkpoint.load_model(out)
   model_cfg.tokenizer_path = str(folder)
-  return model_cfg, graphdef, params
+  return model_cfg, graphdef, params, out
 
 
 def test_backbone_matches_pytorch_reference(torch_harmon, converted):
   cfg, top, _ = torch_harmon
-  model_cfg, graphdef, params = converted
+  model_cfg, graphdef, params, _ = converted
   model = nnx.merge(graphdef, params)
   rng = np.random.default_rng(1)
   b, seq = 2, cfg.seq_len
@@ -286,7 +286,7 @@ def test_prompt_ids_null_condition_and_sampling(converted):
   the MAR sampler (4 AR steps x 2 diffusion steps) from the converted export."""
   from margrpo_jax.diffusion import gaussian
   from margrpo_jax.sampling import sampler
-  model_cfg, graphdef, params = converted
+  model_cfg, graphdef, params, _ = converted
   ids = harmon.Harmon.prompt_ids(model_cfg, ["a red apple"])
   tok = qwen_tokenizer.load(model_cfg.tokenizer_path)
   assert ids.shape == (1, model_cfg.text.max_len)
@@ -306,3 +306,24 @@ def test_prompt_ids_null_condition_and_sampling(converted):
   with pytest.raises(checkpoint.CheckpointError, match="null_ids"):
     harmon.Harmon.prompt_ids(bad, ["x"])
 
+
+def test_sample_mode_names_each_missing_path(converted, tmp_path):
+  """``configs/harmon.py`` in sample mode: an unset checkpoint, VAE or tokenizer path is one sentence (the sample
+  job's check of a real family's model block); plan mode needs none of them (test above)."""
+  import torchvision  # noqa: F401 - must be imported before TensorFlow (jobs.sample imports it), or it segfaults
+  from margrpo_jax.jobs import sample
+  if not hasattr(sample, "load_for_sampling"):
+    pytest.skip("the sample job does not check real-family paths yet")
+  c = config_files.load("harmon", "0.5b")
+  c.mode = "sample"
+  with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint is not set"):
+    sample.load_for_sampling(c)
+  c.checkpoint = converted[3]
+  c.model.tokenizer_path = converted[0].tokenizer_path
+  with pytest.raises(checkpoint.CheckpointError, match="model.vae_checkpoint is not set"):
+    sample.load_for_sampling(c)
+  c.model.vae_checkpoint, c.model.tokenizer_path = str(tmp_path), ""
+  with pytest.raises(checkpoint.CheckpointError, match="model.tokenizer_path is not set"):
+    sample.load_for_sampling(c)
+  with pytest.raises(qwen_tokenizer.TokenizerError, match="model.tokenizer_path is not set"):
+    harmon.Harmon.prompt_ids(checkpoint.load_model(converted[3])[0], ["a cat"])

@@ -20,7 +20,7 @@ from margrpo_jax.models import harmon, qwen_tokenizer
 from test_qwen2 import build_tokenizer
 
 KEYS = os.path.join(os.path.dirname(SHARED_DATA), "spec", "keys")
-ATOL = 2e-4  # float32 parity of the whole backbone (encoder, 2-layer LLM, decoder), activations O(1)
+ATOL = 5e-5  # float32 parity of the whole backbone (encoder, 2-layer LLM, decoder); measured 3.6e-6, |z| <= 3.7
 
 
 @pytest.fixture(scope="module", autouse=True)

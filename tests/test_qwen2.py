@@ -8,7 +8,7 @@ import pytest
 from margrpo_jax.convert import __main__ as convert_cli, core
 from margrpo_jax.models import qwen_tokenizer
 
-ATOL = 1e-4  # float32 parity, activations O(1)
+ATOL = 2e-5  # float32 parity; measured 1.8e-6 with |h| <= 3.0
 
 
 @pytest.fixture(scope="module")

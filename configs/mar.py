@@ -31,20 +31,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg or "base"
   if size not in class_mar.SIZES:
     raise ValueError(f"unknown config arg {size!r} for mar (sizes: {', '.join(class_mar.SIZES)})")
-  c = config_files.load("shapes_rl", "margrpo")  # the RL schema and MAR-GRPO's stabilisers
-  c.mode = "plan"
-  c.model = class_mar.mar_config(size)  # model.vae_checkpoint: the KL-16 export (needed to sample)
-  # sample mode: the converted checkpoint (required), class-label prompts from a file or a comma-separated list
-  c.prompt_file = ""
-  c.prompts = "207,360,387,974,88,979,417,279"
-  c.max_prompts = 0
-  c.batch_size = 8
-  c.grid_size = 64
-  c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)  # FSDP over every device: MAR-H's optimizer state is large
+  c = config_files.real_size(class_mar.mar_config(size), prompts="207,360,387,974,88,979,417,279",
+                              batch_size=8, grid_size=64)
   c.sampling.update(num_steps=64, diffusion_steps="100", cfg_scale=CFG[size], cfg_schedule="linear",
                     temperature=1.0, clip_denoised=False)
   c.rl.update(group_size=4, prompts_per_iter=8, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=5,
               topk_fraction=0.3, remat=True)
   c.optim.update(lr=1e-6, grad_clip=1.0)
-  c.plan = dict(compile=True)  # False: parameter counts only
   return c

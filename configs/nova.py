@@ -38,17 +38,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if variant not in nova.VARIANTS:
     raise ValueError(f"unknown config arg {arg!r} for nova (variants: {', '.join(SHORT)} or "
                      f"{', '.join(nova.VARIANTS)})")
-  c = config_files.load("shapes_rl", "margrpo")  # the RL schema and MAR-GRPO's stabilisers
-  c.mode = "plan"
-  c.model = nova.nova_config(variant)  # model.tokenizer_path / model.vae_checkpoint: set to sample or train
+  c = config_files.real_size(nova.nova_config(variant))
   c.num_iters = 1200
-  # sample mode: captions from a prompt file or a comma-separated list
-  c.prompt_file = ""
-  c.prompts = "a photo of a red apple on a wooden table,a cat sitting on a sofa"
-  c.max_prompts = 0
-  c.batch_size = 4
-  c.grid_size = 16
-  c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)
   c.sampling.update(num_steps=64, diffusion_steps="25", cfg_scale=5.0, cfg_schedule="constant", temperature=1.0,
                     clip_denoised=False)
   c.sampling.mask_schedule = "cos_round"  # NOVA: m_i = round(L cos(pi/2 i/N)), zero-count steps skipped
@@ -57,10 +48,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
               topk_fraction=0.3, consistency=True, beta=0.01, channel_reduction="mean", remat=True)
   c.rl.flow_noise_level = 0.7             # Flow-GRPO SDE (ALGORITHM.md 3.4)
   c.rl.rewards = ml_collections.ConfigDict(dict(hps=1.0))
-  from margrpo_jax.rewards import registry
-  if "rewards" not in c and hasattr(registry, "settings_config"):
-    c.rewards = registry.settings_config()  # config.rewards.hps.checkpoint / vocab: the converted HPS v2.1
   c.optim.update(lr=2e-6, warmup_steps=0, decay="constant", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                  grad_clip=1.0)
-  c.plan = dict(compile=True)  # False: parameter counts only
   return c

@@ -18,3 +18,24 @@ def load(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config(arg) if arg is not None else mod.get_config()
+
+
+CAPTIONS = "a photo of a red apple on a wooden table,a cat sitting on a sofa"  # text-to-image sample default
+
+
+def real_size(model_cfg: ml_collections.ConfigDict, prompts: str = CAPTIONS, batch_size: int = 4,
+              grid_size: int = 16) -> ml_collections.ConfigDict:
+  """The shared schema of a real-size family's config (MAR, Harmon, NOVA): MAR-GRPO's RL block
+  (``shapes_rl:margrpo``), plan mode by default, sample-mode prompt fields (a prompt file or a comma-separated
+  list), FSDP over every device, and ``plan.compile`` (False: parameter counts only)."""
+  c = load("shapes_rl", "margrpo")
+  c.mode = "plan"
+  c.model = model_cfg
+  c.prompt_file = ""
+  c.prompts = prompts
+  c.max_prompts = 0
+  c.batch_size = batch_size
+  c.grid_size = grid_size
+  c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)  # FSDP over every device: optimizer states are large
+  c.plan = dict(compile=True)
+  return c

@@ -31,8 +31,11 @@ def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: in
              progress: bool = False) -> np.ndarray:
   """Images (N, H, W, 3) uint8 for ``prompts`` (H, W: whatever the family decodes to)."""
   family = checkpoint.model_class(model_cfg.family)
-  diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, sampling.diffusion_steps)
-  fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_config(sampling))
+  if hasattr(family, "make_sample_fn"):  # a family with its own generation loop (NOVA: flow head, its schedule)
+    fn = family.make_sample_fn(graphdef, model_cfg, sampling)
+  else:
+    diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, sampling.diffusion_steps)
+    fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_config(sampling))
   ids = np.asarray(family.prompt_ids(model_cfg, list(prompts)))
   n = len(prompts)
   nb = -(-n // batch_size)

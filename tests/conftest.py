@@ -6,6 +6,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pathlib  # noqa: E402
 
+try:  # the torch oracles must be loaded before TensorFlow: the other order segfaults (TF 2.21 + torch 2.14)
+  import torch  # noqa: E402, F401
+  import torchvision  # noqa: E402, F401
+except ImportError:
+  pass
+
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

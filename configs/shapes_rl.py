@@ -12,6 +12,7 @@ Variants (the ablation ladder of the paper):
 import ml_collections
 
 from margrpo_jax.parallel import mesh
+from margrpo_jax.rewards import registry
 
 VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo")
 
@@ -37,12 +38,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
       # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
-      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, jpeg_compressibility=0.0),
+      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, jpeg_compressibility=0.0,
+                   **{name: 0.0 for name in registry.LEARNED}),
+      reward_norm="none",         # per-reward normalisation before summing: 'none' | 'std' | 'minmax'
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'
       group_size=8, prompts_per_iter=4,
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)
       num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10)
       mte_seeds=4, topk_fraction=0.3, consistency=True, train_head=False,
+      shared_order=False,         # the G images of a prompt share one generation order (variance reduction)
+      loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
+      noisy_fraction=1.0,         # score diffusion steps among the first (noisiest) fraction of the chain only
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
       ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
       kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]
@@ -57,6 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
       debug_nan_iter=-1,          # test hook: inject a NaN reward at this iteration
   )
+  c.rewards = registry.settings_config()  # learned rewards: checkpoint, vocab and options per name
   c.optim = dict(lr=3e-5, warmup_steps=0, decay="constant", final_lr_frac=1.0, b1=0.9, b2=0.999, eps=1e-8,
                  weight_decay=0.0, grad_clip=1.0)
   c.eval = dict(num_prompts=128, batch_size=64, seed=0)

@@ -123,3 +123,28 @@ def test_commit_time_mte_guided_uses_the_recorded_uncond_latents(rollout):
   assert np.isfinite(np.asarray(guided.mte_x_t)).all()
   assert not np.allclose(np.asarray(guided.mte_x_prev), np.asarray(plain.mte_x_prev), atol=1e-4)
   np.testing.assert_array_equal(np.asarray(guided.x_t), np.asarray(plain.x_t))  # the main trajectory is unchanged
+
+
+def test_decoded_tokens_and_noisy_steps_switches(rollout):
+  """``loss_tokens='decoded'``: the loss region is exactly the tokens committed at each selected step;
+  ``noisy_fraction``: scored diffusion steps come from the noisiest part of the chain (largest j)."""
+  graphdef, params, build = rollout
+  bcfg = batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=2, mte_seeds=0, loss_tokens="decoded",
+                               noisy_fraction=0.3)
+  batch, info = build(bcfg, params)
+  _, _, rec = _rollout_record(graphdef, params)
+  for m, i in enumerate(np.asarray(info["steps"])):
+    decoded = np.zeros(np.asarray(batch.region).shape[1:], bool)
+    pos, valid = np.asarray(rec.positions[i]), np.asarray(rec.valid[i])
+    for b in range(decoded.shape[0]):
+      decoded[b, pos[b][valid[b]]] = True
+    np.testing.assert_array_equal(np.asarray(batch.region[m]), decoded)
+  assert (np.asarray(batch.j) >= DIFF.num_steps - 3).all()  # the 3 noisiest of 10 steps (j = 9, 8, 7)
+  loss, m = _loss(graphdef, params, batch)
+  assert np.isfinite(float(loss)) and float(m["logp_diff"]) < 1e-3
+
+
+def _rollout_record(graphdef, params):
+  ids = jnp.asarray(text.tokenize(PROMPTS, 12))
+  final, rec = S.make_sample_fn(graphdef, DIFF, SCFG, record=True)(params, ids, jax.random.key(0))
+  return ids, final, rec

@@ -120,3 +120,15 @@ def test_compile_once_per_config(small_model):
   for k in range(3):
     fn(params, ids, jax.random.key(k))
   assert fn._cache_size() == 1
+
+
+def test_order_group_shares_the_generation_order(small_model):
+  """``order_group=g``: the rows of a group decode in one order; different groups in different orders."""
+  model_cfg, graphdef, params = small_model
+  ids = jnp.asarray(text.tokenize(["a red circle"] * 4, model_cfg.text.max_len))
+  cfg = S.SamplerConfig(num_steps=4, order_group=2)
+  _, rec = S.make_sample_fn(graphdef, DIFF, cfg, record=True)(params, ids, jax.random.key(3))
+  order = np.asarray(rec.order)
+  np.testing.assert_array_equal(order[0], order[1])
+  np.testing.assert_array_equal(order[2], order[3])
+  assert (order[0] != order[2]).any()

@@ -40,6 +40,10 @@ class BatchConfig:
   mte_commit_guided: bool = False  # with 'commit': CFG at the constant sampler scale from the commit-time cond
                                    # and uncond latents (official Harmon); False: unguided (official NOVA, B6)
   score_last_step: bool = False    # official: also score the deterministic j = 0 transition
+  loss_tokens: str = "unknown"     # 'unknown': every not-yet-known token (tentative chains too, as the paper and
+                                   # the official code) | 'decoded': only the tokens committed at the step (the
+                                   # actions that reach the image: plain REINFORCE credit assignment)
+  noisy_fraction: float = 1.0      # score diffusion steps only among the first (noisiest) fraction of the chain
 
 
 def _chain(model, diff, scfg, z_c, z_u, scale, key):
@@ -66,6 +70,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
   t_count = diff.num_steps
   pool = t_count if bcfg.score_last_step else t_count - 1  # list position n: x_n -> x_{n+1}, j = T - 1 - n
+  pool = max(bcfg.num_diffusion_steps, min(pool, int(round(bcfg.noisy_fraction * t_count))))
   n_sel = jnp.sort(jax.random.choice(rng.stream(key, "diff_steps"), pool, (bcfg.num_diffusion_steps,),
                                      replace=False))
   rows = jnp.arange(b)[:, None]
@@ -95,6 +100,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     pred = jnp.where(unknown[..., None], xs[-1], canvas)
     after = unknown & ~decoded
     region = after if bcfg.mask_after_step else unknown
+    if bcfg.loss_tokens == "decoded":
+      region = region & decoded
     visible = ~after if bcfg.mask_after_step else ~unknown
     keep = region
     if bcfg.consistency:

@@ -22,9 +22,8 @@ from absl import logging
 from clu import metric_writers
 
 from margrpo_jax import checkpoint, generate, optim, rng
-from margrpo_jax.data import shapes, tfds_builders
+from margrpo_jax.data import tfds_builders
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import text
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import advantages, batch as batch_lib, loss as loss_lib
@@ -40,13 +39,16 @@ def configs_from(config):
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
-                                   clip_denoised=config.sampling.clip_denoised)
+                                   clip_denoised=config.sampling.clip_denoised,
+                                   order_group=rl.group_size if rl.shared_order else 1)
   bcfg = batch_lib.BatchConfig(num_ar_steps=rl.num_ar_steps, num_diffusion_steps=rl.num_diffusion_steps,
                                mte_seeds=rl.mte_seeds, topk_fraction=rl.topk_fraction, consistency=rl.consistency,
                                mask_after_step=pick(rl.mask_after_step, True),
                                mte_latent=pick(rl.mte_latent, "commit"),
                                mte_commit_guided=pick(rl.mte_commit_guided, True),
-                               score_last_step=pick(rl.score_last_step, True))
+                               score_last_step=pick(rl.score_last_step, True),
+                               loss_tokens=rl.loss_tokens,
+                               noisy_fraction=rl.noisy_fraction)
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=pick(rl.clip_eps, 0.0), ratio=pick(rl.ratio, "none"),
                              kl=pick(rl.kl, "official"), channel_reduction=rl.channel_reduction,
                              cfg_in_loss=pick(rl.cfg_in_loss, False), temperature=config.sampling.temperature,
@@ -162,7 +164,13 @@ def setup(config, params_override=None) -> Setup:
   """Load ``config.checkpoint`` (default: the shipped base), place it on the mesh of ``config.parallel`` and
   build the static parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
   from margrpo_jax.jobs.sample import SHIPPED_BASE
+  if not (params_override or config.checkpoint) and config.get("model") and config.model.family != "tiny":
+    raise checkpoint.CheckpointError(f"config.checkpoint is not set: a {config.model.family} run needs a converted "
+                                     "export (python -m margrpo_jax.convert).")
   model_cfg, graphdef, params = params_override or checkpoint.load_model(config.checkpoint or SHIPPED_BASE)
+  if checkpoint.model_class(model_cfg.family).__dict__.get("make_sample_fn"):
+    raise NotImplementedError(f"RL for the {model_cfg.family} family (its own sampler and flow head) is not "
+                              "implemented yet; the loss and batch builder are Gaussian-head only.")
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
   names = trainable_names(config, model_cfg)
@@ -190,11 +198,12 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   g, p = config.rl.group_size, config.rl.prompts_per_iter
   r = np.random.default_rng([config.seed, it])
   mds = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
-  local = text.tokenize([m["prompt"] for m in mds[sharding.host_rows(len(mds))]], s.model_cfg.text.max_len)
-  ids = sharding.to_global(local, sharding.batch_sharding(s.mesh, 2))  # each host holds its share of prompts
+  family = checkpoint.model_class(s.model_cfg.family)
+  local = np.asarray(family.prompt_ids(s.model_cfg, [m["prompt"] for m in mds[sharding.host_rows(len(mds))]]))
+  ids = sharding.to_global(local, sharding.batch_sharding(s.mesh, local.ndim))  # each host: its share of prompts
   key = jax.random.fold_in(jax.random.key(config.seed), it)
   final, rec = s.rollout_fn({**s.frozen, **policy}, ids, rng.stream(key, "rollout"))
-  images = np.asarray(shapes.unpatchify(sharding.to_host(final)))
+  images = np.asarray(family.decode_images(s.model_cfg, sharding.to_host(final)))
   reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds, settings=config.get("rewards"),
                                    normalize_each=config.rl.get("reward_norm", "none"))
   return dict(mds=mds, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)

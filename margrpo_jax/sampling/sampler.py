@@ -38,6 +38,8 @@ class SamplerConfig:
   temperature: float = 1.0       # tau, scales the per-step diffusion noise
   guidance: bool | None = None   # run the [cond; uncond] branches; None: only when some step has w != 1
   clip_denoised: bool = False    # clip x0_hat to [-1, 1] in each step (off in MAR; on for the shapes world)
+  order_group: int = 1           # rows [g i, g (i + 1)) share one generation order (RL: a GRPO group, so the
+                                 # group baseline is not spent on order luck the policy does not control)
 
 
 @flax.struct.dataclass
@@ -119,8 +121,10 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
   scales = schedule_lib.cfg_schedule(sched, seq_len, cfg.cfg_scale, cfg.cfg_schedule)
   guided = cfg.guidance if cfg.guidance is not None else bool(np.any(scales != 1.0))
   k_max = sched.max_count
+  g = cfg.order_group if b % max(cfg.order_group, 1) == 0 else 1
   order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(
-      jax.random.split(rng.stream(key, "order"), b)).astype(jnp.int32)
+      jax.random.split(rng.stream(key, "order"), b // g)).astype(jnp.int32)
+  order = jnp.repeat(order, g, axis=0)  # consecutive rows of a group share one order (common random numbers)
   order_pad = jnp.concatenate([order, order[:, :k_max]], axis=1)
   step_keys = jax.random.split(rng.stream(key, "diffusion"), cfg.num_steps)
 

@@ -72,6 +72,10 @@ def plan(config, emit=lambda line: None) -> list[str]:
   lines += [f"mesh = {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices"]
   if not config.plan.compile:
     return list(lines)
+  if hasattr(checkpoint.model_class(config.model.family), "make_sample_fn"):
+    lines += [f"compile: skipped (MAR-GRPO for the {config.model.family} family's own sampler is not implemented; "
+              "--config.plan.compile=False prints the counts only)"]
+    return list(lines)
   rules = sharding.hashable_rules(config.parallel.rules)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(config.model)))
   params = nnx.to_pure_dict(state)

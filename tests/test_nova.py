@@ -461,6 +461,12 @@ def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   np.testing.assert_allclose(np.asarray(std)[:, 0, 0, 0], flow.make_flow(3, 0.7).std, rtol=1e-5)
   images = family.decode_images(model_cfg, np.asarray(tokens))
   assert images.shape == (2, 2 * GRID[0] * 2, 2 * GRID[1] * 2, 3) and images.dtype == np.uint8
+  # The sample / eval jobs' path: generate.generate dispatches to NOVA's own sampler (batch 0 uses fold_in(key, 0)).
+  from margrpo_jax import generate
+  got = generate.generate(graphdef, params, model_cfg, ["a red cat", ""], sampling, seed=0, batch_size=2)
+  want, _ = family.make_sample_fn(graphdef, model_cfg, sampling)(params, jnp.asarray(ids),
+                                                                 jax.random.fold_in(jax.random.key(0), 0))
+  np.testing.assert_array_equal(got, family.decode_images(model_cfg, np.asarray(want)))
 
 
 

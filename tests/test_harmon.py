@@ -303,10 +303,7 @@ def test_prompt_ids_and_null_condition(converted):
 def test_sample_mode_names_each_missing_path(converted, tmp_path):
   """``configs/harmon.py`` in sample mode: an unset checkpoint, VAE or tokenizer path is one sentence (the sample
   job's check of a real family's model block); plan mode needs none of them (test above)."""
-  import torchvision  # noqa: F401 - must be imported before TensorFlow (jobs.sample imports it), or it segfaults
-  from margrpo_jax.jobs import sample
-  if not hasattr(sample, "load_for_sampling"):
-    pytest.skip("the sample job does not check real-family paths yet")
+  from margrpo_jax.jobs import sample  # conftest imports torch / torchvision before TensorFlow
   c = config_files.load("harmon", "0.5b")
   c.mode = "sample"
   with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint is not set"):

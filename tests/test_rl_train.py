@@ -88,3 +88,18 @@ def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path
   table = (tmp_path / "ablation.md").read_text()
   assert "## grpo (2 seeds)" in table and "## margrpo (2 seeds)" in table and "| 2 |" in table
   assert (tmp_path / "ablation.png").stat().st_size > 0
+
+
+def test_real_family_rl_needs_a_checkpoint_and_a_gaussian_head():
+  """A real-size RL config without ``checkpoint`` is one sentence (not the shipped shapes model); NOVA's flow-head
+  RL is refused in one sentence before anything is loaded."""
+  from margrpo_jax import checkpoint, config_files
+  from margrpo_jax.rl import train
+  c = config_files.load("mar", "base")
+  c.mode = "rl"
+  with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint is not set"):
+    train.setup(c)
+  c = config_files.load("nova", "sd512")
+  c.checkpoint = "/nonexistent/nova_export"
+  with pytest.raises(checkpoint.CheckpointError, match="not implemented yet"):
+    train.setup(c)

@@ -160,17 +160,23 @@ class Setup:
     return jax.device_put(dict(step=jnp.int32(0), policy=policy, opt=self.tx.init(policy)), self.state_shardings)
 
 
+def _check_rl_family(family: str) -> None:
+  if "make_sample_fn" in vars(checkpoint.model_class(family)):
+    raise checkpoint.CheckpointError(f"MAR-GRPO for the {family} family (its own sampler and flow head) is not "
+                                     "implemented yet: the loss and batch builder are Gaussian-head only.")
+
+
 def setup(config, params_override=None) -> Setup:
   """Load ``config.checkpoint`` (default: the shipped base), place it on the mesh of ``config.parallel`` and
   build the static parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
   from margrpo_jax.jobs.sample import SHIPPED_BASE
-  if not (params_override or config.checkpoint) and config.get("model") and config.model.family != "tiny":
-    raise checkpoint.CheckpointError(f"config.checkpoint is not set: a {config.model.family} run needs a converted "
-                                     "export (python -m margrpo_jax.convert).")
+  family = params_override[0].family if params_override else config.model.family if config.get("model") else "tiny"
+  if not (params_override or config.checkpoint) and family != "tiny":
+    raise checkpoint.CheckpointError(f"config.checkpoint is not set: a {family} run needs a converted export "
+                                     "(python -m margrpo_jax.convert).")
+  _check_rl_family(family)  # before loading: a real checkpoint takes a while
   model_cfg, graphdef, params = params_override or checkpoint.load_model(config.checkpoint or SHIPPED_BASE)
-  if checkpoint.model_class(model_cfg.family).__dict__.get("make_sample_fn"):
-    raise NotImplementedError(f"RL for the {model_cfg.family} family (its own sampler and flow head) is not "
-                              "implemented yet; the loss and batch builder are Gaussian-head only.")
+  _check_rl_family(model_cfg.family)  # the export's own family (a shapes config may point at any export)
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
   names = trainable_names(config, model_cfg)

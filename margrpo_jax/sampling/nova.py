@@ -30,7 +30,7 @@ from flax import nnx
 
 from margrpo_jax import rng
 from margrpo_jax.diffusion import flow
-from margrpo_jax.sampling.sampler import Record, _gather
+from margrpo_jax.sampling.sampler import Record, _gather, commit
 from margrpo_jax.sampling.schedule import MaskSchedule
 
 
@@ -111,13 +111,7 @@ def sample(model, cfg: NovaSamplerConfig, cond: jax.Array, null: jax.Array, key:
     zc_sel, zu_sel = _gather(z_c, pos), None if z_u is None else _gather(z_u, pos)
     x_init = jax.random.normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype)
     x, xs, std, logp = run_flow(model, fsched, x_init, zc_sel, zu_sel, scale, rng.stream(k, "steps"))
-    rows = jnp.arange(b)[:, None]
-    new_canvas = canvas.at[rows, pos].set(jnp.where(valid[..., None], x, _gather(canvas, pos)))
-    new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
-    rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel,
-                 z_u=jnp.zeros_like(zc_sel) if zu_sel is None else zu_sel, xs=xs, std=std, logp=logp,
-                 cfg=scale, order=order) if record else None
-    return (new_canvas, new_mask), rec
+    return commit(canvas, mask, pos, valid, x, zc_sel, zu_sel, xs, std, logp, scale, order, record)
 
   init = (jnp.zeros((b, seq_len, c), jnp.float32), jnp.ones((b, seq_len), bool))
   xs_in = (jnp.asarray(sched.starts), jnp.asarray(sched.counts), step_keys)

@@ -112,6 +112,18 @@ def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperat
   return x0, jnp.concatenate([x_init[None], xs]), std, logp
 
 
+def commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record: bool):
+  """One AR step's bookkeeping: write the ``valid`` decoded tokens ``x0`` (B, K, C) at ``pos`` into the canvas,
+  mark them known, and (``record``) the step's :class:`Record` slice. Returns ``((canvas, mask), record)``."""
+  rows = jnp.arange(canvas.shape[0])[:, None]
+  new_canvas = canvas.at[rows, pos].set(jnp.where(valid[..., None], x0, _gather(canvas, pos)))
+  new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
+  rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel,
+               z_u=jnp.zeros_like(zc_sel) if zu_sel is None else zu_sel, xs=xs, std=std, logp=logp,
+               cfg=scale, order=order) if record else None
+  return (new_canvas, new_mask), rec
+
+
 def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array, null: jax.Array,
            key: jax.Array, record: bool = False):
   """Generate token canvases (B, L, C) from buffer conditions ``cond`` / ``null`` (B, buffer, D)."""
@@ -139,13 +151,7 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
     x_init = jax.random.normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype)
     x0, xs, std, logp = run_chain(model, diff, x_init, zc_sel, zu_sel, scale, cfg.temperature,
                                   rng.stream(k, "steps"), cfg.clip_denoised)
-    rows = jnp.arange(b)[:, None]
-    new_canvas = canvas.at[rows, pos].set(jnp.where(valid[..., None], x0, _gather(canvas, pos)))
-    new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
-    rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel,
-                 z_u=jnp.zeros_like(zc_sel) if zu_sel is None else zu_sel, xs=xs, std=std, logp=logp,
-                 cfg=scale, order=order) if record else None
-    return (new_canvas, new_mask), rec
+    return commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record)
 
   init = (jnp.zeros((b, seq_len, c), jnp.float32), jnp.ones((b, seq_len), bool))
   xs_in = (jnp.asarray(sched.starts), jnp.asarray(sched.counts), jnp.asarray(scales), step_keys)

@@ -47,6 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10)
       mte_seeds=4, topk_fraction=0.3, consistency=True, train_head=False,
       shared_order=False,         # the G images of a prompt share one generation order (variance reduction)
+      shared_noise=False,         # ... and every diffusion noise except at the scored AR steps (implies shared_order)
       loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
       noisy_fraction=1.0,         # score diffusion steps among the first (noisiest) fraction of the chain only
       beta=0.01, clip_eps=0.2,    # [official: no clipping]

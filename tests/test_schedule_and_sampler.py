@@ -9,6 +9,7 @@ from flax import nnx
 
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import text
+from margrpo_jax.rl import batch as batch_lib, loss as loss_lib
 from margrpo_jax.sampling import sampler as S
 from margrpo_jax.sampling import schedule
 
@@ -132,3 +133,27 @@ def test_order_group_shares_the_generation_order(small_model):
   np.testing.assert_array_equal(order[0], order[1])
   np.testing.assert_array_equal(order[2], order[3])
   assert (order[0] != order[2]).any()
+
+
+def test_vary_steps_share_the_group_noise_elsewhere(small_model):
+  """``vary_steps=m``: exactly ``m`` recorded steps have varied noise; up to the first of them the rows of a group
+  decode identical tokens, at it they differ; different groups never share noise. The RL batch scores exactly
+  the varied steps."""
+  model_cfg, graphdef, params = small_model
+  ids = jnp.asarray(text.tokenize(["a red circle"] * 4, model_cfg.text.max_len))
+  cfg = S.SamplerConfig(num_steps=4, order_group=2, vary_steps=2)
+  for seed in range(3):
+    final, rec = S.make_sample_fn(graphdef, DIFF, cfg, record=True)(params, ids, jax.random.key(seed))
+    varied = np.asarray(rec.varied)
+    assert varied.sum() == 2
+    first = int(np.argmax(varied))
+    x0 = np.asarray(rec.xs[:, -1])  # (N, B, K, C) decoded tokens
+    for i in range(first):
+      np.testing.assert_array_equal(x0[i, 0], x0[i, 1])
+      assert not np.allclose(x0[i, 0], x0[i, 2])
+    assert not np.allclose(x0[first, 0], x0[first, 1])
+  model = nnx.merge(graphdef, params)
+  bcfg = batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=2, mte_seeds=0, consistency=False)
+  _, info = jax.jit(lambda: batch_lib.build(model, model, DIFF, cfg, bcfg, loss_lib.LossConfig(), rec, final, ids,
+                                            jnp.zeros(4), jax.random.key(0)))()
+  np.testing.assert_array_equal(np.asarray(info["steps"]), np.nonzero(varied)[0])

@@ -1,6 +1,7 @@
 r"""From a recorded rollout to the loss's :class:`TrainBatch` (no gradients).
 
-For each selected AR step ``i`` (``M`` of ``N``, drawn without replacement):
+For each selected AR step ``i`` (``M`` of ``N``, drawn without replacement; with group-shared rollout noise, the
+``M`` steps whose noise varied inside the groups, ``rec.varied``):
 
 * the canvas and masks the step saw; ``visible`` / ``region`` are the known-before / unknown-before sets
   (intended), or the post-step mask for both (official bug B1);
@@ -68,6 +69,9 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
   cond, null = model.condition(ids), model.null_condition(b)
   steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
+  # With group-shared noise (SamplerConfig.vary_steps) the scored steps are the ones whose noise varied.
+  varied_steps = jnp.nonzero(rec.varied, size=bcfg.num_ar_steps, fill_value=0)[0]
+  steps = jnp.where(jnp.all(rec.varied), steps, varied_steps)
   t_count = diff.num_steps
   pool = t_count if bcfg.score_last_step else t_count - 1  # list position n: x_n -> x_{n+1}, j = T - 1 - n
   pool = max(bcfg.num_diffusion_steps, min(pool, int(round(bcfg.noisy_fraction * t_count))))

@@ -40,7 +40,8 @@ def configs_from(config):
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
                                    clip_denoised=config.sampling.clip_denoised,
-                                   order_group=rl.group_size if rl.shared_order else 1)
+                                   order_group=rl.group_size if rl.shared_order or rl.get("shared_noise") else 1,
+                                   vary_steps=rl.num_ar_steps if rl.get("shared_noise") else 0)
   bcfg = batch_lib.BatchConfig(num_ar_steps=rl.num_ar_steps, num_diffusion_steps=rl.num_diffusion_steps,
                                mte_seeds=rl.mte_seeds, topk_fraction=rl.topk_fraction, consistency=rl.consistency,
                                mask_after_step=pick(rl.mask_after_step, True),

@@ -40,6 +40,8 @@ class SamplerConfig:
   clip_denoised: bool = False    # clip x0_hat to [-1, 1] in each step (off in MAR; on for the shapes world)
   order_group: int = 1           # rows [g i, g (i + 1)) share one generation order (RL: a GRPO group, so the
                                  # group baseline is not spent on order luck the policy does not control)
+  vary_steps: int = 0            # with order_group g > 1: the rows of a group also share every diffusion noise
+                                 # except at this many AR steps, drawn per call (Record.varied); 0: independent
 
 
 @flax.struct.dataclass
@@ -56,10 +58,12 @@ class Record:
   logp: jax.Array       # (N, T, B, K) log-prob of each transition, summed over channels
   cfg: jax.Array        # (N,) guidance scale of each step
   order: jax.Array      # (B, L) generation order
+  varied: jax.Array     # (N,) bool, the steps whose diffusion noise differs inside an order group (all True
+                        # unless SamplerConfig.vary_steps)
 
   # (rank, batch axis) of every field, for sharding records over the mesh's batch axes
   LAYOUT = dict(canvas=(4, 1), mask=(3, 1), positions=(3, 1), valid=(3, 1), z=(4, 1), z_u=(4, 1), xs=(5, 2),
-                std=(5, 2), logp=(4, 2), cfg=(1, None), order=(2, 0))
+                std=(5, 2), logp=(4, 2), cfg=(1, None), order=(2, 0), varied=(1, None))
 
   @classmethod
   def shardings(cls, mesh):
@@ -94,8 +98,20 @@ def _gather(x, idx):
   return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key, clip_denoised=False):
-  """The full ancestral chain from ``x_init`` (..., C); returns ``(x_0, xs (T+1,...), std, logp)``."""
+def group_normal(key, shape, dtype, group: int = 1, shared=False):
+  """Standard normal noise of ``shape`` (B, ...); where ``shared`` (a traced bool) the rows of each block of
+  ``group`` consecutive rows get one draw (common random numbers inside a GRPO group)."""
+  own = jax.random.normal(key, shape, dtype)
+  if group <= 1:
+    return own
+  one = jax.random.normal(jax.random.fold_in(key, 1), (shape[0] // group,) + tuple(shape[1:]), dtype)
+  return jnp.where(shared, jnp.repeat(one, group, axis=0), own)
+
+
+def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key, clip_denoised=False,
+              group: int = 1, shared=False):
+  """The full ancestral chain from ``x_init`` (B, ..., C); returns ``(x_0, xs (T+1,...), std, logp)``. With
+  ``group > 1`` and ``shared``, each block of ``group`` rows draws one step noise (:func:`group_normal`)."""
   js = jnp.arange(diff.num_steps - 1, -1, -1)
   keys = jax.random.split(key, diff.num_steps)
   timesteps = jnp.asarray(diff.timesteps, jnp.int32)
@@ -105,14 +121,15 @@ def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperat
     t = jnp.broadcast_to(timesteps[j], (1,) * (x.ndim - 1))  # one time embedding for all tokens
     out = head_output(model, x, t, z_c, z_u, scale)
     x_prev, _, std, logp = gaussian.step(diff, out, x, jnp.full(x.shape[:-1], j),
-                                         jax.random.normal(k, x.shape, x.dtype), temperature, clip_denoised)
+                                         group_normal(k, x.shape, x.dtype, group, shared), temperature,
+                                         clip_denoised)
     return x_prev, (x_prev, std, logp.sum(-1))
 
   x0, (xs, std, logp) = jax.lax.scan(body, x_init, (js, keys))
   return x0, jnp.concatenate([x_init[None], xs]), std, logp
 
 
-def commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record: bool):
+def commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record: bool, varied=True):
   """One AR step's bookkeeping: write the ``valid`` decoded tokens ``x0`` (B, K, C) at ``pos`` into the canvas,
   mark them known, and (``record``) the step's :class:`Record` slice. Returns ``((canvas, mask), record)``."""
   rows = jnp.arange(canvas.shape[0])[:, None]
@@ -120,7 +137,7 @@ def commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, o
   new_mask = mask.at[rows, pos].set(mask[rows, pos] & ~valid)
   rec = Record(canvas=canvas, mask=mask, positions=pos, valid=valid, z=zc_sel,
                z_u=jnp.zeros_like(zc_sel) if zu_sel is None else zu_sel, xs=xs, std=std, logp=logp,
-               cfg=scale, order=order) if record else None
+               cfg=scale, order=order, varied=jnp.asarray(varied, bool)) if record else None
   return (new_canvas, new_mask), rec
 
 
@@ -139,22 +156,29 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
   order = jnp.repeat(order, g, axis=0)  # consecutive rows of a group share one order (common random numbers)
   order_pad = jnp.concatenate([order, order[:, :k_max]], axis=1)
   step_keys = jax.random.split(rng.stream(key, "diffusion"), cfg.num_steps)
+  share = g > 1 and cfg.vary_steps > 0  # common diffusion noise inside a group except at the varied steps
+  varied = jnp.ones((cfg.num_steps,), bool)
+  if share:
+    drawn = jax.random.choice(rng.stream(key, "varied"), cfg.num_steps, (min(cfg.vary_steps, cfg.num_steps),),
+                              replace=False)
+    varied = jnp.zeros((cfg.num_steps,), bool).at[drawn].set(True)
+  group = g if share else 1
 
   def body(carry, inp):
     canvas, mask = carry
-    start, count, scale, k = inp
+    start, count, scale, k, vary = inp
     z_c, z_u = ar_latents(model, canvas, mask, cond, null, guided)
     pos = jax.lax.dynamic_slice_in_dim(order_pad, start, k_max, axis=1)
     valid = jnp.broadcast_to(jnp.arange(k_max) < count, (b, k_max))
     zc_sel = _gather(z_c, pos)
     zu_sel = None if z_u is None else _gather(z_u, pos)
-    x_init = jax.random.normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype)
+    x_init = group_normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype, group, ~vary)
     x0, xs, std, logp = run_chain(model, diff, x_init, zc_sel, zu_sel, scale, cfg.temperature,
-                                  rng.stream(k, "steps"), cfg.clip_denoised)
-    return commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record)
+                                  rng.stream(k, "steps"), cfg.clip_denoised, group, ~vary)
+    return commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record, vary)
 
   init = (jnp.zeros((b, seq_len, c), jnp.float32), jnp.ones((b, seq_len), bool))
-  xs_in = (jnp.asarray(sched.starts), jnp.asarray(sched.counts), jnp.asarray(scales), step_keys)
+  xs_in = (jnp.asarray(sched.starts), jnp.asarray(sched.counts), jnp.asarray(scales), step_keys, varied)
   (canvas, mask), rec = jax.lax.scan(body, init, xs_in)
   chex.assert_shape(canvas, (b, seq_len, c))
   if record:

@@ -5,7 +5,9 @@ Each (variant, seed) is an ordinary RL run in ``W/<variant>/seed<n>`` (resumable
 finished runs and resumes a killed one). ``W/ablation.md`` tabulates, per variant and every ``table_every``
 iterations, the rollout strict pass rate, reward (the configured weighted sum), group diversity (std of the
 reward inside a group) and gradient norm as mean +- std over seeds, then the base and final strict pass on the eval prompts;
-``W/ablation.png`` plots the same curves (mean over seeds, band = min..max). ``W/ablation.json`` has all of it.
+``W/ablation.png`` plots the same curves (trailing 5-iteration means; mean over seeds, band = min..max).
+``W/ablation.json`` has all of it. Seed ``n`` draws the same prompts at each iteration in every variant, so the
+table also gives each variant's reward minus the first variant's, paired by seed.
 """
 from __future__ import annotations
 
@@ -86,22 +88,44 @@ def _table(workdir, results, every):
     lines += ["", f"Eval strict pass ({runs[0]['report']['eval_prompts']} prompts): base {np.mean(base):.3f}, "
               f"final {np.mean(final):.3f} +- {np.std(final):.3f} (per seed: "
               + ", ".join(f"{x:.3f}" for x in final) + ")", ""]
+  names = list(results)
+  for variant in names[1:]:  # paired by seed: same prompts per iteration in every variant
+    first, runs = results[names[0]], results[variant]
+    if [r["seed"] for r in first] != [r["seed"] for r in runs]:
+      continue
+    d = _curve(runs, "reward")
+    d = d - _curve(first, "reward")[:, :d.shape[1]]
+    lines += [f"## {variant} minus {names[0]}, reward paired by seed", "", "| iteration | reward difference |",
+              "|---|---|"]
+    for end in list(range(every, d.shape[1] + 1, every)) or [d.shape[1]]:
+      v = np.nanmean(d[:, end - every:end], axis=1)
+      lines.append(f"| {end} | {v.mean():+.3f} +- {v.std():.3f} |")
+    lines.append("")
   with open(os.path.join(workdir, "ablation.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 
 
-def _plot(workdir, results):
+def _smooth(c, window: int):
+  """Trailing mean over up to ``window`` iterations of each row of ``c`` (seeds, iters)."""
+  if window <= 1:
+    return c
+  cs = np.nancumsum(np.pad(c, ((0, 0), (1, 0))), axis=1)
+  lo = np.maximum(np.arange(1, c.shape[1] + 1) - window, 0)
+  return (cs[:, 1:] - cs[:, lo]) / (np.arange(1, c.shape[1] + 1) - lo)
+
+
+def _plot(workdir, results, smooth: int = 5):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.2))
   for variant, runs in results.items():
     for ax, (key, label) in zip(axes, CURVES):
-      c = _curve(runs, key)
+      c = _smooth(_curve(runs, key), smooth)
       it = np.arange(1, c.shape[1] + 1)
       ax.plot(it, np.nanmean(c, 0), label=variant)
       ax.fill_between(it, np.nanmin(c, 0), np.nanmax(c, 0), alpha=0.2)
-      ax.set(xlabel="iteration", title=label)
+      ax.set(xlabel="iteration", title=label + (f" ({smooth}-iter. mean)" if smooth > 1 else ""))
   axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, "ablation.png"), dpi=120)

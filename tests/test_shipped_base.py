@@ -1,7 +1,7 @@
-"""The shipped base checkpoint (sampled by the README's main job) draws what single-object prompts ask for.
+"""The shipped base checkpoint (sampled by the README's sample command) draws what single-object prompts ask for.
 
 Measured when it was shipped (README): strict pass 0.211 on the 512 eval prompts, 0.445 on the 128 single-object
-ones, with the main job's sampling defaults. The test samples 32 single-object eval prompts with those defaults
+ones, with the sample job's defaults. The test samples 32 single-object eval prompts with those defaults
 and requires strict pass >= 0.25 (the shipped interim model of earlier sessions scored 0.10 there), and the
 prompt's colour to dominate >= 75 % of the images.
 """

@@ -136,9 +136,9 @@ def test_order_group_shares_the_generation_order(small_model):
 
 
 def test_vary_steps_share_the_group_noise_elsewhere(small_model):
-  """``vary_steps=m``: exactly ``m`` recorded steps have varied noise; up to the first of them the rows of a group
-  decode identical tokens, at it they differ; different groups never share noise. The RL batch scores exactly
-  the varied steps."""
+  """``vary_steps=m``: exactly ``m`` recorded steps have varied noise. At every other step the rows of a group
+  start their chains from one x_T, at the varied ones from their own; different groups never share noise; up to
+  the first varied step a group's rows decode identical tokens. The RL batch scores exactly the varied steps."""
   model_cfg, graphdef, params = small_model
   ids = jnp.asarray(text.tokenize(["a red circle"] * 4, model_cfg.text.max_len))
   cfg = S.SamplerConfig(num_steps=4, order_group=2, vary_steps=2)
@@ -146,11 +146,14 @@ def test_vary_steps_share_the_group_noise_elsewhere(small_model):
     final, rec = S.make_sample_fn(graphdef, DIFF, cfg, record=True)(params, ids, jax.random.key(seed))
     varied = np.asarray(rec.varied)
     assert varied.sum() == 2
+    x_T, x0 = np.asarray(rec.xs[:, 0]), np.asarray(rec.xs[:, -1])  # (N, B, K, C) chain starts / decoded tokens
+    for i in range(cfg.num_steps):
+      assert np.array_equal(x_T[i, 0], x_T[i, 1]) == (not varied[i])
+      assert np.array_equal(x_T[i, 2], x_T[i, 3]) == (not varied[i])
+      assert not np.allclose(x_T[i, 0], x_T[i, 2])
     first = int(np.argmax(varied))
-    x0 = np.asarray(rec.xs[:, -1])  # (N, B, K, C) decoded tokens
     for i in range(first):
       np.testing.assert_array_equal(x0[i, 0], x0[i, 1])
-      assert not np.allclose(x0[i, 0], x0[i, 2])
     assert not np.allclose(x0[first, 0], x0[first, 1])
   model = nnx.merge(graphdef, params)
   bcfg = batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=2, mte_seeds=0, consistency=False)

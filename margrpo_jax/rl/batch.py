@@ -69,7 +69,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
   cond, null = model.condition(ids), model.null_condition(b)
   steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
-  # With group-shared noise (SamplerConfig.vary_steps) the scored steps are the ones whose noise varied.
+  # With group-shared noise the scored steps are the ones whose noise varied (train.configs_from sets the sampler's
+  # vary_steps = num_ar_steps).
   varied_steps = jnp.nonzero(rec.varied, size=bcfg.num_ar_steps, fill_value=0)[0]
   steps = jnp.where(jnp.all(rec.varied), steps, varied_steps)
   t_count = diff.num_steps

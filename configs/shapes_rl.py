@@ -7,6 +7,15 @@ Variants (the ablation ladder of the paper):
   frozen_head_mte       + MTE on every token (S trajectories from the same AR latent)
   frozen_head_mte_topk  + MTE only on the top-k% uncertain tokens
   margrpo               + consistency-aware token selection (all stabilisers; the default)
+and, beyond the paper:
+  focused               the policy term on the decoded tokens' own chains only (no MTE or consistency: the other
+                        chains carry no reward signal), every step of the scored-step window, and common random
+                        numbers inside a group (one generation order; diffusion noise varied only at the scored
+                        AR steps). See docs/rl_signal.md.
+Estimator fixes on by default (each a switch; ``rl.fidelity='official'`` restores the official behaviour):
+``rl.diffusion_window`` (no saturated first / near-deterministic last steps), ``rl.mte_actual='keep'`` (a decoded
+token keeps its own chain inside U), ``rl.topk_scope='region'``, ``rl.selection_chains='independent'``,
+``rl.sigma_grad`` (sigma treated alike in the log-prob and the KL).
 ``rl.fidelity='official'`` reproduces the official code's behaviour (ALGORITHM.md section 14) in one switch.
 """
 import ml_collections
@@ -14,7 +23,7 @@ import ml_collections
 from margrpo_jax.parallel import mesh
 from margrpo_jax.rewards import registry
 
-VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo")
+VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo", "focused")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -38,18 +47,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
       # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
-      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, jpeg_compressibility=0.0,
+      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, jpeg_compressibility=0.0, brightness=0.0,
                    **{name: 0.0 for name in registry.LEARNED}),
       reward_norm="none",         # per-reward normalisation before summing: 'none' | 'std' | 'minmax'
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'
       group_size=8, prompts_per_iter=4,
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)
-      num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10)
+      num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10; 0 = every window step)
+      diffusion_window="1:-3",    # scored steps from list positions lo:hi of the chain (x_n -> x_{n+1}, Python
+                                  # slice bounds): drops t = 999 and j = 2, 1, 0 [official: ':', all steps]
       mte_seeds=4, topk_fraction=0.3, consistency=True, train_head=False,
       shared_order=False,         # the G images of a prompt share one generation order (variance reduction)
       shared_noise=False,         # ... and every diffusion noise except at the scored AR steps (implies shared_order)
       loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
-      noisy_fraction=1.0,         # score diffusion steps among the first (noisiest) fraction of the chain only
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
       ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
       kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]
@@ -58,7 +68,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mask_after_step=False,      # [official: True, bug B1]
       mte_latent="step",          # [official: 'commit', A2]
       mte_commit_guided=False,    # with 'commit': guided MTE chains (CFG at cfg_scale) [official: True, Harmon]
-      score_last_step=False,      # [official: True, the deterministic j = 0 transition]
+      mte_actual="keep",          # a decoded token in U keeps its own chain | 'include' | [official: 'replace']
+      topk_scope="region",        # U: top fraction of the loss region [official: 'all' positions, known included]
+      selection_chains="independent",  # U and consistency from chains of their own [official: 'scored']
+      sigma_grad=True,            # sigma(z) differentiable in log-prob and KL alike [official: False, detached]
       sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
       num_inner=1,
       remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
@@ -78,10 +91,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.topk_fraction = 1.0
   if variant == "grpo":
     c.rl.train_head = True
+  if variant == "focused":  # beyond the paper: only terms that carry reward signal, common random numbers
+    c.rl.update(loss_tokens="decoded", mte_seeds=0, num_diffusion_steps=0, shared_noise=True)
   if "smoke" in parts:
     c.num_iters = 3
     c.sampling.update(num_steps=4, diffusion_steps="5")
-    c.rl.update(group_size=2, prompts_per_iter=2, num_ar_steps=2, num_diffusion_steps=2,
+    c.rl.update(group_size=2, prompts_per_iter=2, num_ar_steps=2,
+                num_diffusion_steps=min(c.rl.num_diffusion_steps, 2), diffusion_window="1:-1",
                 mte_seeds=min(c.rl.mte_seeds, 2))
     c.eval.update(num_prompts=8, batch_size=8)
     c.save.every = 1

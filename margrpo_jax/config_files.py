@@ -6,6 +6,10 @@ import os
 
 import ml_collections
 
+class ConfigError(ValueError):
+  """A config value or combination that cannot work, in one sentence (the entry point exits with code 2)."""
+
+
 # The repository's configs/ folder (the package is installed editable, next to it).
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

@@ -54,14 +54,15 @@ def main(argv):
     _fail(f"--config could not be loaded: {detail}.")
   import jax
   jax.config.update("jax_threefry_partitionable", True)
-  from margrpo_jax import checkpoint
+  from margrpo_jax import checkpoint, config_files
   from margrpo_jax.data import prompt_files
   from margrpo_jax.parallel import mesh
   if "parallel" in config:
     mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
   try:
     _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)))
-  except (UserError, checkpoint.CheckpointError, prompt_files.PromptFileError, FileNotFoundError) as e:
+  except (UserError, config_files.ConfigError, checkpoint.CheckpointError, prompt_files.PromptFileError,
+          FileNotFoundError) as e:
     logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -1,5 +1,6 @@
 """The MAR-GRPO loss on a real (small) rollout: ratio 1 at the first update, KL 0 against itself, S = 1 MTE
 equals the single-trajectory loss, gradients reach the AR backbone and never the frozen head."""
+import dataclasses
 import functools
 
 import jax
@@ -44,16 +45,18 @@ def test_first_update_ratio_is_one_and_kl_zero(rollout):
   batch, info = build(batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=4, mte_seeds=2), params)
   assert batch.x_t.shape == (3, 4, 4, 64, 48) and batch.mte_x_t.shape == (2, 3, 4, 4, 19, 48)  # K = 19 MTE tokens
   assert (np.diff(np.asarray(info["steps"])) > 0).all()
-  # U holds the largest per-token MTE std of each image: its smallest entry >= every unselected one.
-  u, unc = np.asarray(info["uncertainty"]), np.asarray(batch.uncertain)
-  assert (np.where(unc, u, np.inf).min(-1) >= np.where(unc, -np.inf, u).max(-1)).all()
+  # U holds the largest per-token MTE std of each image's loss region: its smallest entry >= every unselected one.
+  u, unc, reg = np.asarray(info["uncertainty"]), np.asarray(batch.uncertain), np.asarray(batch.region)
+  assert (np.where(unc, u, np.inf).min(-1) >= np.where(unc | ~reg, -np.inf, u).max(-1)).all()
   loss, m = _loss(graphdef, params, batch)
   assert float(m["logp_diff"]) < 1e-3  # recomputed log-probs equal the rollout's: rho = 1
   assert float(m["clip_frac"]) == 0.0
   assert abs(float(m["kl"])) < 1e-5    # reference == policy
   assert np.isfinite(float(loss)) and float(m["tokens"]) > 0
-  # Uncertain tokens: exactly floor(0.3 * 64) = 19 per image and step.
-  np.testing.assert_array_equal(np.asarray(batch.uncertain).sum(-1), 19)
+  # Uncertain tokens (intended scope): the top floor(0.3 |region|) of the loss region, per image and step.
+  region = np.asarray(batch.region)
+  np.testing.assert_array_equal(np.asarray(batch.uncertain).sum(-1), np.floor(0.3 * region.sum(-1) + 1e-6))
+  assert (np.asarray(batch.uncertain) <= region).all()
   # Loss region (intended): unknown before the step; it contains the tokens decoded at the step.
   assert (np.asarray(batch.keep) <= np.asarray(batch.region)).all()
   np.testing.assert_array_equal(np.asarray(batch.visible), ~np.asarray(batch.region))
@@ -104,11 +107,14 @@ def test_gradients_reach_the_backbone_not_the_head(rollout):
 def test_official_switches(rollout):
   graphdef, params, build = rollout
   off = batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2, mask_after_step=True,
-                              mte_latent="commit", score_last_step=True)
+                              mte_latent="commit", diffusion_window=(0, None), topk_scope="all",
+                              selection_chains="scored")
   batch, _ = build(off, params)
+  np.testing.assert_array_equal(np.asarray(batch.uncertain).sum(-1), 19)  # floor(0.3 * 64) of all L positions
   # B1: visibility and region both come from the post-step mask (tokens decoded at the step are "visible").
   np.testing.assert_array_equal(np.asarray(batch.visible), ~np.asarray(batch.region))
-  lcfg = loss_lib.LossConfig(ratio="none", clip_eps=0.0, kl="official", cfg_in_loss=False, clip_denoised=True)
+  lcfg = loss_lib.LossConfig(ratio="none", clip_eps=0.0, kl="official", cfg_in_loss=False, clip_denoised=True,
+                             sigma_grad=False, mte_actual="replace")
   loss, m = _loss(graphdef, params, batch, lcfg)
   assert np.isfinite(float(loss)) and float(m["clip_frac"]) == 0.0
 
@@ -125,12 +131,12 @@ def test_commit_time_mte_guided_uses_the_recorded_uncond_latents(rollout):
   np.testing.assert_array_equal(np.asarray(guided.x_t), np.asarray(plain.x_t))  # the main trajectory is unchanged
 
 
-def test_decoded_tokens_and_noisy_steps_switches(rollout):
+def test_decoded_tokens_and_window_switches(rollout):
   """``loss_tokens='decoded'``: the loss region is exactly the tokens committed at each selected step;
-  ``noisy_fraction``: scored diffusion steps come from the noisiest part of the chain (largest j)."""
+  ``diffusion_window=(0, 3)``: scored diffusion steps come from the first three list positions (largest j)."""
   graphdef, params, build = rollout
   bcfg = batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=2, mte_seeds=0, loss_tokens="decoded",
-                               noisy_fraction=0.3)
+                               diffusion_window=(0, 3))
   batch, info = build(bcfg, params)
   _, _, rec = _rollout_record(graphdef, params)
   for m, i in enumerate(np.asarray(info["steps"])):
@@ -148,3 +154,61 @@ def _rollout_record(graphdef, params):
   ids = jnp.asarray(text.tokenize(PROMPTS, 12))
   final, rec = S.make_sample_fn(graphdef, DIFF, SCFG, record=True)(params, ids, jax.random.key(0))
   return ids, final, rec
+
+
+def test_default_window_drops_the_first_and_last_steps_and_zero_scores_all_of_it(rollout):
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=0, mte_seeds=0), params)
+  # 10-step chain, window 1:-3 = list positions 1..6, j = 9 - n = 8..3, all of them.
+  np.testing.assert_array_equal(np.asarray(batch.j), np.tile(np.arange(8, 2, -1), (2, 1)))
+  for bad, match in (((5, 5), "holds no diffusion step"), ((1, -3, ), None)):
+    if match:
+      with pytest.raises(ValueError, match=match):
+        batch_lib.validate(batch_lib.BatchConfig(diffusion_window=bad), 10)
+  with pytest.raises(ValueError, match="does not fit the scored-step window 1:7"):
+    batch_lib.validate(batch_lib.BatchConfig(num_diffusion_steps=7), 10)
+  with pytest.raises(ValueError, match="rl.topk_scope='everywhere' is not one of region, all"):
+    batch_lib.validate(batch_lib.BatchConfig(topk_scope="everywhere"), 10)
+
+
+def test_decoded_tokens_in_u_keep_their_own_chain(rollout):
+  """U = the whole region = the decoded tokens: with ``mte_actual='keep'`` MTE changes nothing (each decoded
+  token's image-producing chain is scored as is); 'replace' (official) swaps it for the MTE mean; 'include'
+  averages the own chain with the S others."""
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2, topk_fraction=1.0,
+                                         loss_tokens="decoded"), params)
+  np.testing.assert_array_equal(np.asarray(batch.uncertain), np.asarray(batch.region))
+  single = batch.replace(mte_x_t=batch.mte_x_t[:0], mte_x_prev=batch.mte_x_prev[:0],
+                         mte_old_logp=batch.mte_old_logp[:0])
+  pol = lambda b, mode: float(_loss(graphdef, params, b, dataclasses.replace(LCFG, mte_actual=mode, beta=0.0))[0])
+  base = pol(single, "keep")
+  assert pol(batch, "keep") == pytest.approx(base, rel=1e-6)
+  assert abs(pol(batch, "replace") - base) > 1e-4 * abs(base)
+  assert abs(pol(batch, "include") - base) > 1e-4 * abs(base)
+
+
+def test_uncertainty_comes_from_chains_independent_of_the_scored_ones(rollout):
+  """Scoring the last transition, the scored MTE chains' final samples are in the batch: their per-token std is
+  the uncertainty U was chosen from with ``selection_chains='scored'`` (official), and is not with
+  'independent' (the default), whose selection chains are drawn apart."""
+  graphdef, params, build = rollout
+  t = DIFF.num_steps
+  for mode, same in (("scored", True), ("independent", False)):
+    bcfg = batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=1, mte_seeds=3, topk_scope="all",
+                                 diffusion_window=(t - 1, None), selection_chains=mode)
+    batch, info = build(bcfg, params)
+    scored = np.asarray(batch.mte_x_prev)[:, :, 0].std(0).mean(-1)  # (M, B, K) std over S of the final samples
+    at_u = np.take_along_axis(np.asarray(info["uncertainty"]), np.asarray(batch.uncertain_idx), axis=-1)
+    assert np.allclose(scored, at_u, atol=1e-5) == same
+
+
+def test_sigma_grad_changes_the_gradient_not_the_value(rollout):
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2), params)
+  run = lambda lcfg: jax.jit(jax.value_and_grad(
+      lambda p: loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, batch)[0]))(params)
+  (v1, g1), (v2, g2) = run(LCFG), run(dataclasses.replace(LCFG, sigma_grad=False))
+  np.testing.assert_allclose(v1, v2, rtol=1e-6)
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g["backbone"])])
+  assert np.abs(flat(g1) - flat(g2)).max() > 1e-3 * np.abs(flat(g1)).max()

@@ -5,6 +5,8 @@ Verifier rewards (need shapes-world metadata, or none):
 * ``shapes_partial``: the shapes-world verifier's partial score in [0, 1] (the dense RL signal).
 * ``shapes_strict``: strict pass in {0, 1} (for reporting, or as a sparse reward).
 * ``jpeg_compressibility``: ``-(JPEG size in kB)`` at quality 95, as in DDPO (needs no metadata).
+* ``brightness``: mean pixel value in [0, 1] (needs no metadata): a reward every token moves, the first rung of
+  the learnability ladder (``benchmarks/learnability.py``).
 
 Learned rewards (need a converted checkpoint and a tokenizer vocabulary, under ``config.rewards.<name>``):
 ``hps``, ``pickscore``, ``clip_score``, ``aesthetic`` (:mod:`margrpo_jax.rewards.clip_rewards`) and
@@ -47,10 +49,15 @@ def jpeg_compressibility(images, metadatas=None):
   return np.array(out, np.float32)
 
 
+def brightness(images, metadatas=None):
+  return np.asarray(images, np.float32).reshape(len(images), -1).mean(1) / 255.0
+
+
 REWARDS: dict[str, Callable] = {  # verifier rewards: fn(images, metadatas)
     "shapes_partial": _verifier("partial"),
     "shapes_strict": lambda im, md: _verifier("strict")(im, md).astype(np.float32),
     "jpeg_compressibility": jpeg_compressibility,
+    "brightness": brightness,
 }
 NEEDS_SHAPES = ("shapes_partial", "shapes_strict")  # verifier rewards defined only on shapes-world metadata
 

@@ -9,11 +9,17 @@ For each selected AR step ``i`` (``M`` of ``N``, drawn without replacement; with
   other still-unknown positions get the tentative chain the head draws from the step's latent (as the
   official code does at its logged steps);
 * ``S`` MTE trajectories from the step latent (intended) or from each token's commit-time latent (official
-  A2), and the uncertainty top-k mask ``U`` from their final samples;
+  A2), and the uncertainty top-k mask ``U`` (inside the loss region, intended; over all positions, official);
 * consistency-aware selection ``M'`` from the tentative predictions at ``i`` and ``i - 1``;
-* ``k`` diffusion steps (shared by all selected AR steps), excluding the deterministic last step unless
-  ``score_last_step`` (official);
+* ``U`` and ``M'`` are chosen from chains drawn for that purpose only (intended) or from the very samples the
+  loss scores (official), which correlates the selection with the scored noise;
+* ``k`` diffusion steps (shared by all selected AR steps) drawn from the scored-step window, list positions
+  ``[lo, hi)`` of the ``T`` transitions (every window step when ``num_diffusion_steps = 0``);
 * the frozen reference's transition means and stds.
+
+Where the reward signal is (docs/rl_signal.md): a chain drawn from ``p(. | z)`` independently of the image has
+``E[A grad log p(y)] = A grad integral p = 0``, so only the tokens decoded at a scored step, through their own
+image-producing chains, carry signal; tentative and MTE chains only add (MTE: averaged) noise.
 """
 from __future__ import annotations
 
@@ -32,7 +38,11 @@ from margrpo_jax.sampling import sampler as sampler_lib
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
   num_ar_steps: int = 4            # M selected AR steps per rollout
-  num_diffusion_steps: int = 8     # k diffusion steps scored per AR step
+  num_diffusion_steps: int = 8     # k diffusion steps scored per AR step (0: every step of the window)
+  diffusion_window: tuple[int, int] = (1, -3)  # scored steps among list positions [lo, hi) of the T transitions
+                                   # x_n -> x_{n+1} (j = T - 1 - n; negative: from the end; hi None: to the end).
+                                   # (1, -3) drops the saturated first step (t = 999) and the near-deterministic
+                                   # last ones (j = 2, 1) and j = 0; official: (0, None), every step
   mte_seeds: int = 4               # S (0: no MTE)
   topk_fraction: float = 0.3       # U = top 30 % most uncertain tokens
   consistency: bool = True         # consistency-aware selection
@@ -40,12 +50,54 @@ class BatchConfig:
   mte_latent: str = "step"         # 'step' (intended) | 'commit' (official A2)
   mte_commit_guided: bool = False  # with 'commit': CFG at the constant sampler scale from the commit-time cond
                                    # and uncond latents (official Harmon); False: unguided (official NOVA, B6)
-  score_last_step: bool = False    # official: also score the deterministic j = 0 transition
+  mte_actual: str = "keep"         # a decoded token in U: 'keep' its own (image-producing) chain | 'include' it in
+                                   # the MTE average | 'replace' it by the MTE mean (official)
+  topk_scope: str = "region"       # U among the loss region's tokens | 'all' positions (official)
+  selection_chains: str = "independent"  # U and M' from chains of their own | 'scored': from the scored samples
+                                         # (official)
   loss_tokens: str = "unknown"     # 'unknown': every not-yet-known token (tentative chains too, as the paper and
                                    # the official code) | 'decoded': only the tokens committed at the step (the
                                    # actions that reach the image: plain REINFORCE credit assignment)
-  noisy_fraction: float = 1.0      # score diffusion steps only among the first (noisiest) fraction of the chain
 
+
+OPTIONS = dict(mte_latent=("step", "commit"), mte_actual=("keep", "include", "replace"),
+               topk_scope=("region", "all"), selection_chains=("independent", "scored"),
+               loss_tokens=("unknown", "decoded"))
+
+
+def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[int, int]:
+  """The window ``(lo, hi)`` (Python slice bounds) as absolute list positions ``0 <= lo < hi <= T``; raises
+  ``ValueError`` naming the window when it is empty."""
+  lo, hi, _ = slice(*window).indices(num_steps)
+  if hi <= lo:
+    raise ValueError(f"the scored-step window {window[0]}:{'' if window[1] is None else window[1]} holds no "
+                     f"diffusion step of a {num_steps}-step chain")
+  return lo, hi
+
+
+def validate(bcfg: BatchConfig, num_steps: int) -> None:
+  """Raise ``ValueError`` with one sentence for an impossible option string, window or combination."""
+  for name, allowed in OPTIONS.items():
+    if getattr(bcfg, name) not in allowed:
+      raise ValueError(f"rl.{name}={getattr(bcfg, name)!r} is not one of {', '.join(allowed)}")
+  lo, hi = window_positions(bcfg.diffusion_window, num_steps)
+  if bcfg.num_diffusion_steps < 0 or bcfg.num_diffusion_steps > hi - lo:
+    raise ValueError(f"rl.num_diffusion_steps={bcfg.num_diffusion_steps} does not fit the scored-step window "
+                     f"{lo}:{hi} of the {num_steps}-step chain ({hi - lo} steps; 0 = all of them)")
+  if bcfg.mte_seeds < 0 or not 0.0 <= bcfg.topk_fraction <= 1.0:
+    raise ValueError(f"rl.mte_seeds={bcfg.mte_seeds} must be >= 0 and rl.topk_fraction={bcfg.topk_fraction} "
+                     "in [0, 1]")
+  if bcfg.num_ar_steps < 1:
+    raise ValueError(f"rl.num_ar_steps={bcfg.num_ar_steps} must be at least 1")
+
+
+def diffusion_positions(bcfg: BatchConfig, num_steps: int, key: jax.Array) -> jax.Array:
+  """(k,) sorted list positions of the scored transitions: ``k`` drawn without replacement from the window, or
+  the whole window when ``num_diffusion_steps = 0``."""
+  lo, hi = window_positions(bcfg.diffusion_window, num_steps)
+  if bcfg.num_diffusion_steps == 0:
+    return jnp.arange(lo, hi)
+  return lo + jnp.sort(jax.random.choice(key, hi - lo, (bcfg.num_diffusion_steps,), replace=False))
 
 def _chain(model, diff, scfg, z_c, z_u, scale, key):
   x_init = jax.random.normal(rng.stream(key, "x_T"), z_c.shape[:-1] + (model.backbone.token_dim,))
@@ -73,11 +125,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   # vary_steps = num_ar_steps).
   varied_steps = jnp.nonzero(rec.varied, size=bcfg.num_ar_steps, fill_value=0)[0]
   steps = jnp.where(jnp.all(rec.varied), steps, varied_steps)
-  t_count = diff.num_steps
-  pool = t_count if bcfg.score_last_step else t_count - 1  # list position n: x_n -> x_{n+1}, j = T - 1 - n
-  pool = max(bcfg.num_diffusion_steps, min(pool, int(round(bcfg.noisy_fraction * t_count))))
-  n_sel = jnp.sort(jax.random.choice(rng.stream(key, "diff_steps"), pool, (bcfg.num_diffusion_steps,),
-                                     replace=False))
+  t_count = diff.num_steps  # list position n: x_n -> x_{n+1}, j = T - 1 - n
+  n_sel = diffusion_positions(bcfg, t_count, rng.stream(key, "diff_steps"))
   rows = jnp.arange(b)[:, None]
 
   def at_commit(z_rec):  # (N, B, K, D) recorded latents -> (B, L, D): each position's at the step it was decoded
@@ -89,27 +138,34 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   commit_z = at_commit(rec.z) if commit else None
   commit_z_u = at_commit(rec.z_u) if commit and bcfg.mte_commit_guided else None
 
+  independent = bcfg.selection_chains == "independent"
+  tentative = bcfg.loss_tokens == "unknown" or bcfg.consistency  # else only the decoded tokens' chains are used
+
   def one_step(i, k_i):
     canvas, unknown = rec.canvas[i], rec.mask[i]
     decoded = _decoded_mask(rec, i, seq_len)
     z_c, z_u = sampler_lib.ar_latents(model, canvas, unknown, cond, null, guided)
-    xs, logp = _chain(model, diff, scfg, z_c, z_u, rec.cfg[i], rng.stream(k_i, "tentative"))
+    chain = lambda name: _chain(model, diff, scfg, z_c, z_u, rec.cfg[i], rng.stream(k_i, name))
+    if tentative:
+      xs, logp = chain("tentative")
+    else:
+      xs = jnp.zeros((t_count + 1, b, seq_len, canvas.shape[-1]))
+      logp = jnp.zeros((t_count, b, seq_len))
     act = lambda full, part: full.at[:, rows, rec.positions[i]].set(
         jnp.where(rec.valid[i][(None, ...) + (None,) * (part.ndim - 3)], part, full[:, rows, rec.positions[i]]))
     xs, logp = act(xs, rec.xs[i]), act(logp, rec.logp[i])
-    # Tentative prediction one AR step earlier, for the consistency filter.
-    ip = jnp.maximum(i - 1, 0)
-    zp_c, zp_u = sampler_lib.ar_latents(model, rec.canvas[ip], rec.mask[ip], cond, null, guided)
-    prev_xs, _ = _chain(model, diff, scfg, zp_c, zp_u, rec.cfg[ip], rng.stream(k_i, "previous"))
-    prev_final = jnp.where(rec.mask[ip][..., None], prev_xs[-1], rec.canvas[ip])
-    pred = jnp.where(unknown[..., None], xs[-1], canvas)
     after = unknown & ~decoded
     region = after if bcfg.mask_after_step else unknown
     if bcfg.loss_tokens == "decoded":
       region = region & decoded
     visible = ~after if bcfg.mask_after_step else ~unknown
     keep = region
-    if bcfg.consistency:
+    if bcfg.consistency:  # tentative prediction at i (own chain, or the scored one) vs one AR step earlier
+      ip = jnp.maximum(i - 1, 0)
+      zp_c, zp_u = sampler_lib.ar_latents(model, rec.canvas[ip], rec.mask[ip], cond, null, guided)
+      prev_xs, _ = _chain(model, diff, scfg, zp_c, zp_u, rec.cfg[ip], rng.stream(k_i, "previous"))
+      prev_final = jnp.where(rec.mask[ip][..., None], prev_xs[-1], rec.canvas[ip])
+      pred = jnp.where(unknown[..., None], chain("select")[0][-1] if independent else xs[-1], canvas)
       keep = selection.consistency_filter(region, decoded, selection.moved_closer(pred, prev_final, final), i)
     # MTE trajectories and the uncertainty top-k. Only the K uncertain tokens' trajectories are kept (the loss
     # uses the MTE estimate nowhere else), gathered to (S, T + 1, B, K, C).
@@ -118,10 +174,15 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
         zm_c, zm_u, mte_scale = z_c, z_u, rec.cfg[i]
       else:
         zm_c, zm_u, mte_scale = commit_z, commit_z_u, jnp.float32(scfg.cfg_scale)
-      mte_xs, mte_logp = jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, mte_scale, kk))(
-          jax.random.split(rng.stream(k_i, "mte"), bcfg.mte_seeds))
-      u = selection.uncertainty(mte_xs[:, -1])
-      idx = selection.topk_indices(u, bcfg.topk_fraction)
+      seeds = lambda name: jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, mte_scale, kk))(
+          jax.random.split(rng.stream(k_i, name), bcfg.mte_seeds))
+      mte_xs, mte_logp = seeds("mte")
+      u = selection.uncertainty(seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1])
+      if bcfg.topk_scope == "region":  # the top fraction of the loss region's tokens
+        idx, unc = selection.topk_in_region(u, region, bcfg.topk_fraction)
+      else:  # official: the top fraction of all L positions, known tokens included
+        idx = selection.topk_indices(u, bcfg.topk_fraction)
+        unc = selection.indices_to_mask(idx, seq_len)
       take = lambda a: jnp.take_along_axis(a, idx.reshape((1, 1) + idx.shape + (1,) * (a.ndim - 4)), axis=3)
       mte_xs, mte_logp = take(mte_xs), take(mte_logp)
     else:
@@ -129,7 +190,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
       mte_xs = jnp.zeros((0,) + xs.shape[:2] + (0,) + xs.shape[3:])
       mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
       u = jnp.zeros((b, seq_len))
-    unc = selection.indices_to_mask(idx, seq_len)
+      unc = jnp.zeros((b, seq_len), bool)
     # Reference transitions at the chosen diffusion steps.
     ref_cond = ref_model.condition(ids)
     rz_c = ref_model.backbone(canvas, ~visible, ref_cond)
@@ -140,7 +201,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     _, ref_mean, ref_std = sampler_lib.transition_logp(
         ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
         lcfg.temperature, lcfg.clip_denoised)
-    return dict(canvas=canvas, visible=visible, region=region, keep=keep, uncertain=unc, uncertain_idx=idx,
+    return dict(canvas=canvas, visible=visible, region=region, keep=keep, decoded=decoded, uncertain=unc,
+                uncertain_idx=idx,
                 j=t_count - 1 - n_sel,
                 x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean, ref_std=ref_std,
                 mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel],
@@ -150,7 +212,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   per = jax.lax.map(lambda a: one_step(*a), (steps, keys))
   swap = lambda a: jnp.moveaxis(a, 0, 1)  # (M, S, ...) -> (S, M, ...)
   return TrainBatch(ids=ids, adv=adv, cfg=per["cfg"], canvas=per["canvas"], visible=per["visible"],
-                    region=per["region"], keep=per["keep"], uncertain=per["uncertain"],
+                    region=per["region"], keep=per["keep"], decoded=per["decoded"], uncertain=per["uncertain"],
                     uncertain_idx=per["uncertain_idx"], j=per["j"],
                     x_t=per["x_t"], x_prev=per["x_prev"], old_logp=per["old_logp"], ref_mean=per["ref_mean"],
                     ref_std=per["ref_std"], mte_x_t=swap(per["mte_x_t"]), mte_x_prev=swap(per["mte_x_prev"]),

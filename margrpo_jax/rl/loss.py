@@ -11,7 +11,10 @@ under the frozen head:
     loss = -(policy - beta KL)
 
 ``M`` is the loss region, ``M'`` the region after consistency-aware selection, ``U`` the top-k uncertain
-tokens. ``kappa`` is the KL between the two transition Gaussians (policy vs frozen reference) summed over
+tokens. A token decoded at step ``i`` keeps its own chain's ``q^{main}`` inside ``U`` (``mte_actual='keep'``;
+'include' averages it with the ``S`` others, 'replace' is the official overwrite): only that chain made the
+image, the MTE chains are drawn independently of it and carry no reward signal (docs/rl_signal.md).
+With ``sigma_grad`` the policy's ``sigma(z)`` is differentiable in ``l`` and ``kappa`` alike, else detached in both. ``kappa`` is the KL between the two transition Gaussians (policy vs frozen reference) summed over
 channels, or, with ``kl='official'``, MAR-GRPO's ``exp(mu_ref - mu) - (mu_ref - mu) - 1`` per element.
 Without old log-probs (``ratio='none'``, the official code) ``rho = exp(l - stop_grad(l)) = 1`` in value and
 the gradient is ``A grad l``: REINFORCE with group advantages. Sums and counts are returned unreduced so that
@@ -40,6 +43,10 @@ class LossConfig:
   temperature: float = 1.0
   clip_denoised: bool = False
   remat: bool = False               # recompute each AR step's forward in the backward pass (real sizes)
+  sigma_grad: bool = True           # the policy's sigma(z) differentiable in both the log-prob and the KL | both
+                                    # detached (official: the rollout's sigma, gradient through the mean only)
+  mte_actual: str = "keep"          # a decoded token in U: 'keep' its own chain's estimate | 'include' it in the
+                                    # MTE average | 'replace' it by the MTE mean (official)
 
 
 @flax.struct.dataclass
@@ -52,6 +59,7 @@ class TrainBatch:
   visible: jax.Array       # (M, B, L) bool, visibility in the training forward
   region: jax.Array        # (M, B, L) bool, loss region M (KL term)
   keep: jax.Array          # (M, B, L) bool, M' (policy term; = region without consistency selection)
+  decoded: jax.Array       # (M, B, L) bool, the tokens committed at the step (their chains made the image)
   uncertain: jax.Array     # (M, B, L) bool, U (MTE estimate where True)
   uncertain_idx: jax.Array  # (M, B, K) positions of U (K = floor(topk_fraction * L); 0 without MTE)
   j: jax.Array             # (M, k) respaced diffusion steps
@@ -96,7 +104,10 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
   def score(xt, xp, zc, zu):  # (k, B, N, C) transitions under latents (B, N, D) -> per-element logp, mean, std
     j = jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
     bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
-    return transition_logp(model, diff, xt, xp, j, bk(zc), bk(zu), scale, cfg.temperature, cfg.clip_denoised)
+    _, mean, std = transition_logp(model, diff, xt, xp, j, bk(zc), bk(zu), scale, cfg.temperature,
+                                   cfg.clip_denoised)
+    std = std if cfg.sigma_grad else jax.lax.stop_gradient(std)
+    return gaussian.gaussian_logprob(xp, mean, std), mean, std
 
   c = batch.x_t.shape[-1]
   old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
@@ -109,8 +120,15 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
     lp_s = jax.vmap(lambda xt, xp: reduce(score(xt, xp, take(z_c), take(z_u))[0]))(batch.mte_x_t[:, i],
                                                                                   batch.mte_x_prev[:, i])
     q_s, _ = jax.vmap(lambda l, o: _surrogate(l, o * old_scale, batch.adv, cfg))(lp_s, batch.mte_old_logp[:, i])
-    q = q.at[:, jnp.arange(idx.shape[0])[:, None], idx].set(q_s.mean(0))
-  kl = reduce(_kl(mean, jax.lax.stop_gradient(std), batch.ref_mean[i], batch.ref_std[i], cfg))
+    rows = jnp.arange(idx.shape[0])[:, None]
+    own, mte = q[:, rows, idx], q_s.mean(0)  # (k, B, K)
+    at_u = lambda m: jnp.take_along_axis(m, idx, axis=1)[None]  # (B, L) mask -> (1, B, K)
+    if cfg.mte_actual == "keep":
+      mte = jnp.where(at_u(batch.decoded[i]), own, mte)
+    elif cfg.mte_actual == "include":
+      mte = jnp.where(at_u(batch.decoded[i]), (own + q_s.sum(0)) / (q_s.shape[0] + 1), mte)
+    q = q.at[:, rows, idx].set(jnp.where(at_u(batch.uncertain[i]), mte, own))
+  kl = reduce(_kl(mean, std, batch.ref_mean[i], batch.ref_std[i], cfg))
   keep_k = jnp.broadcast_to(keep[None], q.shape).astype(jnp.float32)
   region_k = jnp.broadcast_to(region[None], kl.shape).astype(jnp.float32)
   return dict(policy_sum=jnp.sum(keep_k * q), policy_count=keep_k.sum(), kl_sum=jnp.sum(region_k * kl),

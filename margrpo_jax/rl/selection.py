@@ -3,7 +3,8 @@ r"""Which tokens get which gradient estimate: MTE uncertainty top-k and consiste
 Uncertainty (MTE, ALGORITHM.md section 6): from ``S`` final samples of the frozen head drawn from the same AR
 latent, ``u[b, l] = mean_c std_s(x0^{(s)}[b, l, c])`` (population std). ``U = topk_mask(u, frac)`` marks the
 ``floor(frac * L)`` most uncertain tokens of each image (``jax.lax.top_k``: among equal values the lower
-position wins, so exactly ``floor(frac * L)`` tokens are selected, ties included).
+position wins, so exactly ``floor(frac * L)`` tokens are selected, ties included): the official rule, known
+tokens included. :func:`topk_in_region` takes the top fraction of the loss region's tokens instead.
 
 Consistency (section 7): a still-undecoded token at AR step ``i > 1`` is kept only if its tentative
 prediction moved toward the final image between steps ``i - 1`` and ``i``:
@@ -33,6 +34,16 @@ def topk_indices(u: jax.Array, fraction: float) -> jax.Array:
   if k == 0:
     return jnp.zeros(u.shape[:-1] + (0,), jnp.int32)
   return jax.lax.top_k(u, k)[1].astype(jnp.int32)
+
+
+def topk_in_region(u: jax.Array, region: jax.Array, fraction: float) -> tuple[jax.Array, jax.Array]:
+  """The ``floor(fraction * |region|)`` most uncertain tokens of each row's ``region`` (B, L): their positions
+  padded to the static ``K = topk_count(L, fraction)`` (B, K), and the mask U (B, L) of the selected ones."""
+  idx = topk_indices(jnp.where(region, u, -jnp.inf), fraction)
+  want = jnp.floor(fraction * region.sum(-1) + 1e-6).astype(jnp.int32)  # per row
+  valid = jnp.arange(idx.shape[-1]) < want[:, None]
+  mask = jnp.zeros(region.shape, bool).at[jnp.arange(idx.shape[0])[:, None], idx].max(valid)
+  return idx, mask
 
 
 def indices_to_mask(idx: jax.Array, length: int) -> jax.Array:

@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 from clu import metric_writers
 
-from margrpo_jax import checkpoint, generate, optim, rng
+from margrpo_jax import checkpoint, config_files, generate, optim, rng
 from margrpo_jax.data import tfds_builders
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
@@ -31,29 +31,66 @@ from margrpo_jax.sampling import sampler as sampler_lib
 from flax import nnx
 
 
+def parse_window(window: str) -> tuple[int, int | None]:
+  """``'lo:hi'`` (Python slice bounds over the chain's list positions; either may be empty) -> ``(lo, hi)``."""
+  parts = str(window).split(":")
+  try:
+    if len(parts) != 2:
+      raise ValueError
+    return int(parts[0] or 0), int(parts[1]) if parts[1].strip() else None
+  except ValueError:
+    raise config_files.ConfigError(f"rl.diffusion_window={window!r} is not 'lo:hi' (list positions of the "
+                                   "diffusion chain, Python slice bounds, e.g. '1:-3' or ':')") from None
+
+
+LOSS_OPTIONS = dict(fidelity=("intended", "official"), ratio=("rollout", "none"), kl=("gaussian", "official"),
+                    channel_reduction=("sum", "mean"), advantage=("grpo", "drgrpo", "rloo"),
+                    mte_actual=("keep", "include", "replace"))
+
+
 def configs_from(config):
-  """Static sampler / batch / loss configs from ``config.rl`` (fidelity 'official' sets every switch)."""
+  """Static sampler / batch / loss configs from ``config.rl`` (fidelity 'official' sets every switch), validated:
+  an impossible option, window or combination raises :class:`config_files.ConfigError` in one sentence, before
+  anything is loaded."""
   rl = config.rl
+  for name, allowed in LOSS_OPTIONS.items():
+    if rl[name] not in allowed:
+      raise config_files.ConfigError(f"rl.{name}={rl[name]!r} is not one of {', '.join(allowed)}")
+  if rl.group_size < 2 or rl.prompts_per_iter < 1:
+    raise config_files.ConfigError(f"rl.group_size={rl.group_size} must be >= 2 and rl.prompts_per_iter="
+                                   f"{rl.prompts_per_iter} >= 1 (group advantages need two images per prompt)")
   official = rl.fidelity == "official"
   pick = lambda v, off: off if official else v
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
                                    clip_denoised=config.sampling.clip_denoised,
-                                   order_group=rl.group_size if rl.shared_order or rl.get("shared_noise") else 1,
-                                   vary_steps=rl.num_ar_steps if rl.get("shared_noise") else 0)
+                                   order_group=rl.group_size if rl.shared_order or rl.shared_noise else 1,
+                                   vary_steps=rl.num_ar_steps if rl.shared_noise else 0)
   bcfg = batch_lib.BatchConfig(num_ar_steps=rl.num_ar_steps, num_diffusion_steps=rl.num_diffusion_steps,
+                               diffusion_window=pick(parse_window(rl.diffusion_window), (0, None)),
                                mte_seeds=rl.mte_seeds, topk_fraction=rl.topk_fraction, consistency=rl.consistency,
                                mask_after_step=pick(rl.mask_after_step, True),
                                mte_latent=pick(rl.mte_latent, "commit"),
                                mte_commit_guided=pick(rl.mte_commit_guided, True),
-                               score_last_step=pick(rl.score_last_step, True),
-                               loss_tokens=rl.loss_tokens,
-                               noisy_fraction=rl.noisy_fraction)
+                               topk_scope=pick(rl.topk_scope, "all"),
+                               selection_chains=pick(rl.selection_chains, "scored"),
+                               loss_tokens=rl.loss_tokens)
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=pick(rl.clip_eps, 0.0), ratio=pick(rl.ratio, "none"),
                              kl=pick(rl.kl, "official"), channel_reduction=rl.channel_reduction,
                              cfg_in_loss=pick(rl.cfg_in_loss, False), temperature=config.sampling.temperature,
-                             clip_denoised=config.sampling.clip_denoised, remat=rl.remat)
+                             clip_denoised=config.sampling.clip_denoised, remat=rl.remat,
+                             sigma_grad=pick(rl.sigma_grad, False), mte_actual=pick(rl.mte_actual, "replace"))
+  steps = gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps
+  try:
+    batch_lib.validate(bcfg, steps)
+  except ValueError as e:
+    raise config_files.ConfigError(str(e)) from None
+  if bcfg.num_ar_steps > config.sampling.num_steps:
+    raise config_files.ConfigError(f"rl.num_ar_steps={bcfg.num_ar_steps} exceeds the sampler's "
+                                   f"sampling.num_steps={config.sampling.num_steps} AR steps")
+  if rl.shared_noise and rl.num_ar_steps > config.sampling.num_steps:
+    raise config_files.ConfigError("rl.shared_noise needs rl.num_ar_steps <= sampling.num_steps")
   return scfg, bcfg, lcfg, pick(rl.sequential_updates, True)
 
 
@@ -171,6 +208,7 @@ def setup(config, params_override=None) -> Setup:
   """Load ``config.checkpoint`` (default: the shipped base), place it on the mesh of ``config.parallel`` and
   build the static parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
   from margrpo_jax.jobs.sample import SHIPPED_BASE
+  static = configs_from(config)  # every RL option validated before anything is loaded
   family = params_override[0].family if params_override else config.model.family if config.get("model") else "tiny"
   if not (params_override or config.checkpoint) and family != "tiny":
     raise checkpoint.CheckpointError(f"config.checkpoint is not set: a {family} run needs a converted export "
@@ -184,7 +222,6 @@ def setup(config, params_override=None) -> Setup:
   params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
   policy = {k: params[k] for k in names}
   frozen = {k: v for k, v in params.items() if k not in names}
-  static = configs_from(config)
   sigs = (sharding.signature(policy), sharding.signature(frozen))
   ids_ndim = checkpoint.model_class(model_cfg.family).condition_ndim
   tx, step_fn = compiled_step(graphdef, model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps,
@@ -218,6 +255,7 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
 
 def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
+  configs_from(config)  # a bad option is one sentence before the workdir is touched
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json(indent=2, sort_keys=True))

@@ -1,68 +1,95 @@
-r"""Signal-to-noise of the MAR-GRPO policy gradient on the shapes world: is there a direction to follow?
+r"""Signal-to-noise of the MAR-GRPO policy gradient on the shapes world, overall and per diffusion step.
 
-python benchmarks/grad_snr.py [--prompts=16] [--group_size=8] [--parts=4] [--reward=partial|brightness]
-    [--set rl.loss_tokens=decoded --set rl.num_ar_steps=16 ...]
+python benchmarks/grad_snr.py [--variant=margrpo|focused|...] [--reward=shapes_partial|brightness|...]
+    [--prompts=16] [--group_size=8] [--parts=4] [--keys=2] [--set rl.num_ar_steps=4 --set optim.lr=1e-4 ...]
 
 One rollout of the base policy (``prompts x group_size`` images), rewards, group advantages; the images are cut
-into ``parts`` disjoint sets of whole groups and the policy gradient ``g_q`` of the MAR-GRPO loss is computed on
-each (same selected AR and diffusion steps). If the expected gradient ``mu`` is visible above the per-part noise,
-``cos(g_q, g_r) ~ |mu|^2 / (|mu|^2 + sigma^2 / n)`` > 0 for q != r. The control shuffles the advantages inside each
-part (no reward information left): its cosine is the level that structure shared by all parts (same steps, same
-model) gives without any signal. Prints both means (with their standard errors) and one JSON line.
+into ``parts`` disjoint sets of whole groups and the policy gradient ``g_q`` of the loss is computed on each,
+averaged over ``keys`` batch-building keys (fresh per part: which AR and diffusion steps are scored, MTE and
+tentative chains). If the expected gradient ``mu`` shows above the per-part noise ``sigma``,
+``cos(g_q, g_r) ~ |mu|^2 / (|mu|^2 + sigma^2 / n)`` > 0 for q != r. The control permutes the advantages inside
+each group (no reward information): its cosine is the level that shared structure gives without signal.
 
-``--reward=brightness`` replaces the verifier by the mean pixel value, a reward every token moves, as a sanity
-check of the estimator itself.
+Per diffusion step: the same parts scored at one list position n at a time (every position of the chain, the
+window ignored), with the share of the squared gradient norm each step holds, the mean step std sigma over the
+loss region and the cosine of real and shuffled advantages. Prints both tables and, last, one JSON line.
 """
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
 import os
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from margrpo_jax import config_files
-from margrpo_jax.data import tfds_builders
-from margrpo_jax.rl import advantages, loss as loss_lib, train
-from margrpo_jax.sampling.sampler import Record
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from margrpo_jax import config_files  # noqa: E402
+from margrpo_jax.data import shapes  # noqa: E402
+from margrpo_jax.rewards import registry  # noqa: E402
+from margrpo_jax.rl import advantages, loss as loss_lib, train  # noqa: E402
+from margrpo_jax.sampling.sampler import Record  # noqa: E402
+
+K_AXIS = dict(j=1, x_t=1, x_prev=1, old_logp=1, ref_mean=1, ref_std=1, mte_x_t=2, mte_x_prev=2, mte_old_logp=2)
 
 
-def _set(config, assignment: str):
+def set_key(config, assignment: str):
+  """``block.key=value`` (nested blocks allowed), cast to the type of the current value."""
   key, value = assignment.split("=", 1)
-  block, name = key.split(".")
-  old = config[block][name]
-  config[block][name] = (value.lower() in ("1", "true")) if isinstance(old, bool) else type(old)(value)
+  *blocks, name = key.split(".")
+  node = functools.reduce(lambda c, b: c[b], blocks, config)
+  old = node[name]
+  node[name] = (value.lower() in ("1", "true")) if isinstance(old, bool) else type(old)(value)
+
+
+def at_step(batch, n):
+  """The batch scored at its diffusion list entry ``n`` only (k = 1)."""
+  return batch.replace(**{f: jax.lax.dynamic_slice_in_dim(getattr(batch, f), n, 1, ax) for f, ax in K_AXIS.items()})
+
+
+def cosines(gs):
+  c = [float(jnp.dot(u, v) / (jnp.linalg.norm(u) * jnp.linalg.norm(v))) for u, v in itertools.combinations(gs, 2)]
+  return float(np.mean(c)), float(np.std(c) / np.sqrt(len(c)))
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--checkpoint", default="")
+  ap.add_argument("--variant", default="margrpo")
+  ap.add_argument("--reward", default="shapes_partial", choices=sorted(registry.REWARDS))
   ap.add_argument("--prompts", type=int, default=16)
   ap.add_argument("--group_size", type=int, default=8)
   ap.add_argument("--parts", type=int, default=4)
-  ap.add_argument("--reward", default="partial", choices=["partial", "brightness"])
+  ap.add_argument("--keys", type=int, default=2, help="batch-building keys averaged per part")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--no_per_step", action="store_true")
   ap.add_argument("--set", action="append", default=[], help="config override block.key=value (repeatable)")
-  ap.add_argument("--tfds_dir", default=os.path.expanduser("~/.cache/margrpo_jax/tfds"))
   args = ap.parse_args()
-  config = config_files.load("shapes_rl", "margrpo")
+  config = config_files.load("shapes_rl", args.variant)
   config.checkpoint = args.checkpoint
+  config.seed = args.seed
+  config.rl.rewards.update({k: 0.0 for k in config.rl.rewards})
+  config.rl.rewards[args.reward] = 1.0
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
   for a in args.set:
-    _set(config, a)
+    set_key(config, a)
   s = train.setup(config)
-  recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", args.tfds_dir)]
   t0 = time.time()
-  ro = train.rollout(config, s, s.policy, recs, 0)
-  n_img = args.prompts * args.group_size
-  reward = ro["reward"] if args.reward == "partial" else ro["images"].reshape(n_img, -1).mean(1) / 255.0
-  adv = advantages.group_advantages(np.asarray(reward, np.float32), args.group_size, config.rl.advantage)
-  print(f"rollout: {n_img} images in {time.time() - t0:.0f} s, mean reward {float(np.mean(reward)):.3f}")
+  ro = train.rollout(config, s, s.policy, shapes.split_records("train", num_train=2000), 0)
+  n_img, g = args.prompts * args.group_size, args.group_size
+  adv = np.asarray(advantages.group_advantages(ro["reward"], g, config.rl.advantage))
+  print(f"rollout: {n_img} images in {time.time() - t0:.0f} s, mean {args.reward} {float(np.mean(ro['reward'])):.3f}"
+        f" ({args.variant}, {' '.join(args.set) or 'defaults'})")
   scfg, bcfg, lcfg, _ = s.static
-  build = jax.jit(functools.partial(train.build_batch, s.graphdef, s.diff, scfg, bcfg, lcfg))
+  all_steps = dataclasses.replace(bcfg, diffusion_window=(0, None), num_diffusion_steps=0)
+
+  def builder(b):
+    return jax.jit(functools.partial(train.build_batch, s.graphdef, s.diff, scfg, b, lcfg))
 
   @jax.jit
   def grad(policy, batch):
@@ -71,26 +98,51 @@ def main():
     return jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])
 
   n = n_img // args.parts
-  shuffle = np.random.default_rng(0)
-  out = {}
-  for control in (False, True):
-    gs = []
-    for q in range(args.parts):
-      cut = lambda a, ax: jax.lax.slice_in_dim(a, q * n, (q + 1) * n, axis=ax)
-      rec = Record(**{f: getattr(ro["rec"], f) if ax is None else cut(getattr(ro["rec"], f), ax)
-                      for f, (_, ax) in Record.LAYOUT.items()})
-      a = adv[q * n:(q + 1) * n]
-      a = shuffle.permutation(a) if control else a
-      batch, _ = build(s.policy, s.frozen, s.ref, cut(ro["ids"], 0), jnp.asarray(a), rec, cut(ro["final"], 0),
-                       jax.random.key(1))
-      gs.append(grad(s.policy, batch))
-    cos = [float(jnp.dot(u, v) / (jnp.linalg.norm(u) * jnp.linalg.norm(v))) for u, v in itertools.combinations(gs, 2)]
-    name = "shuffled" if control else "real"
-    out[f"cos_{name}"] = float(np.mean(cos))
-    out[f"cos_{name}_se"] = float(np.std(cos) / np.sqrt(len(cos)))
+  shuffled = advantages.shuffle_in_groups(adv, g, args.seed)
+  def part(q):  # the record rows of part q
+    cut = lambda a, ax: a if ax is None else jax.lax.slice_in_dim(a, q * n, (q + 1) * n, axis=ax)
+    return Record(**{f: cut(getattr(ro["rec"], f), ax) for f, (_, ax) in Record.LAYOUT.items()})
+
+  def part_batch(build, q, a, key):
+    cut = lambda x: jax.lax.slice_in_dim(x, q * n, (q + 1) * n, axis=0)
+    return build(s.policy, s.frozen, s.ref, cut(ro["ids"]), jnp.asarray(a[q * n:(q + 1) * n]), part(q),
+                 cut(ro["final"]), key)[0]
+
+  out = dict(images=n_img, parts=args.parts, keys=args.keys, reward=args.reward, variant=args.variant,
+             overrides=args.set)
+  build = builder(bcfg)
+  for name, a in (("real", adv), ("shuffled", shuffled)):
+    gs = [sum(grad(s.policy, part_batch(build, q, a, jax.random.key(1000 * q + r))) for r in range(args.keys))
+          for q in range(args.parts)]
+    out[f"cos_{name}"], out[f"cos_{name}_se"] = cosines(gs)
     print(f"{name:8s} advantages: mean pairwise cosine {out[f'cos_{name}']:+.4f} +- {out[f'cos_{name}_se']:.4f}, "
-          f"|g| {float(np.mean([jnp.linalg.norm(g) for g in gs])):.4f}")
-  print(json.dumps(dict(images=n_img, parts=args.parts, reward=args.reward, overrides=args.set, **out)))
+          f"|g| {float(np.mean([jnp.linalg.norm(x) for x in gs])):.4f}")
+  if not args.no_per_step:
+    build = builder(all_steps)
+    rows, t_count = [], s.diff.num_steps
+    batches = {name: [part_batch(build, q, a, jax.random.key(1000 * q)) for q in range(args.parts)]
+               for name, a in (("real", adv), ("shuffled", shuffled))}
+    for pos in range(t_count):
+      row = dict(n=pos, j=t_count - 1 - pos, t=int(s.diff.timesteps[t_count - 1 - pos]))
+      b0 = batches["real"][0]
+      region = jnp.broadcast_to(b0.region[:, None, ..., None], b0.ref_std.shape)
+      row["sigma"] = float(jnp.sum(b0.ref_std[:, pos:pos + 1] * region[:, pos:pos + 1]) /
+                           jnp.maximum(jnp.sum(region[:, pos:pos + 1]), 1))
+      for name, bs in batches.items():
+        gs = [grad(s.policy, at_step(b, pos)) for b in bs]
+        row[f"norm2_{name}"] = float(np.mean([jnp.sum(x ** 2) for x in gs]))
+        row[f"cos_{name}"], row[f"cos_{name}_se"] = cosines(gs)
+      rows.append(row)
+    total = sum(r["norm2_real"] for r in rows)
+    print("\nper diffusion step (list position n: x_n -> x_{n+1}; every step scored alone)")
+    print("|  n |  j |   t | sigma   | share of |g|^2 | cos real        | cos shuffled    |")
+    print("|---:|---:|----:|--------:|---------------:|----------------:|----------------:|")
+    for r in rows:
+      r["share"] = r["norm2_real"] / total
+      print(f"| {r['n']:2d} | {r['j']:2d} | {r['t']:3d} | {r['sigma']:.4f} | {r['share']:14.4f} | "
+            f"{r['cos_real']:+.3f} +- {r['cos_real_se']:.3f} | {r['cos_shuffled']:+.3f} +- {r['cos_shuffled_se']:.3f} |")
+    out["per_step"] = rows
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":

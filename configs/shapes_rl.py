@@ -51,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                    **{name: 0.0 for name in registry.LEARNED}),
       reward_norm="none",         # per-reward normalisation before summing: 'none' | 'std' | 'minmax'
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'
+      shuffle_advantages=False,   # control: advantages permuted inside each group (no reward signal, same seeds)
       group_size=8, prompts_per_iter=4,
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)
       num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10; 0 = every window step)

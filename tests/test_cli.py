@@ -69,3 +69,26 @@ def test_bad_input_is_one_clear_sentence(tmp_path, args, needle):
 def test_missing_config_file(tmp_path):
   r = _main("--config=configs/no_such.py", f"--workdir={tmp_path}")
   assert r.returncode == 2 and "configs/no_such.py" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.rl.diffusion_window=20:10"], "window 20:10 holds no diffusion step"),
+    (["--config.rl.diffusion_window=1-3"], "rl.diffusion_window='1-3' is not 'lo:hi'"),
+    (["--config.rl.num_diffusion_steps=30"], "does not fit the scored-step window 1:22"),
+    (["--config.rl.mte_actual=drop"], "rl.mte_actual='drop' is not one of keep, include, replace"),
+    (["--config.rl.kl=gausian"], "rl.kl='gausian' is not one of"),
+    (["--config.rl.group_size=1"], "rl.group_size=1 must be >= 2"),
+    (["--config.rl.topk_fraction=1.5"], "rl.topk_fraction=1.5"),
+    (["--config.rl.num_ar_steps=40"], "exceeds the sampler's sampling.num_steps=16"),
+])
+def test_bad_rl_options_are_one_sentence_before_anything_is_written(tmp_path, args, needle):
+  r = _main("--config=configs/shapes_rl.py", f"--workdir={tmp_path / 'w'}", *args)
+  assert r.returncode == 2, (r.returncode, r.stderr[-1500:])
+  err = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+  assert len(err) == 1 and needle in err[0], r.stderr[-1500:]
+  assert "Traceback" not in r.stderr and not (tmp_path / "w").exists()  # nothing loaded, nothing written
+
+
+def test_unknown_rl_preset(tmp_path):
+  r = _main("--config=configs/shapes_rl.py:focussed", f"--workdir={tmp_path / 'w'}")
+  assert r.returncode == 2 and "'focussed'" in r.stderr and "focused" in r.stderr and "Traceback" not in r.stderr

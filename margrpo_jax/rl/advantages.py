@@ -10,6 +10,7 @@ Constant rewards within a group give exactly zero advantages (never NaN).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 KINDS = ("grpo", "drgrpo", "rloo")
 
@@ -28,3 +29,9 @@ def group_advantages(rewards, group_size: int, kind: str = "grpo", eps: float = 
   else:
     adv = r - (r.sum(axis=1, keepdims=True) - r) / (group_size - 1)
   return adv.reshape(-1)
+
+
+def shuffle_in_groups(adv, group_size: int, seed) -> np.ndarray:
+  """The control: ``adv`` permuted inside each group (same values, no link to the images that earned them)."""
+  r = np.random.default_rng(seed)
+  return np.concatenate([r.permutation(g) for g in np.asarray(adv).reshape(-1, group_size)])

@@ -253,6 +253,30 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   return dict(mds=mds, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
 
 
+def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
+  """One RL iteration: rollout, rewards, group advantages (permuted inside groups when
+  ``rl.shuffle_advantages``, the no-signal control), one jitted update. Returns ``(state, metrics, rollout)``;
+  metrics are None (and only the step counter moves) when a reward is non-finite."""
+  g = config.rl.group_size
+  ro = rollout(config, s, state["policy"], train_recs, it)
+  reward = ro["reward"]
+  if config.rl.debug_nan_iter == it:  # test hook: a non-finite reward
+    reward = ro["reward"] = np.where(np.arange(len(reward)) == 0, np.nan, reward)
+  if not np.all(np.isfinite(reward)):
+    return dict(state, step=state["step"] + 1), None, ro
+  adv = np.asarray(advantages.group_advantages(reward, g, config.rl.advantage))
+  if config.rl.shuffle_advantages:
+    adv = advantages.shuffle_in_groups(adv, g, [config.seed, it])
+  adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
+  state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], rng.stream(ro["key"], "train"))
+  m = {k: float(v) for k, v in jax.device_get(m).items()}
+  strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))
+  m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
+           group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))),
+           **{f"reward_{name}": float(np.mean(v)) for name, v in ro["parts"].items()})
+  return state, m, ro
+
+
 def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
   configs_from(config)  # a bad option is one sentence before the workdir is touched
@@ -290,24 +314,11 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   end = config.num_iters if max_iters_this_run is None else min(config.num_iters, start + max_iters_this_run)
   t0 = time.time()
   for it in range(start, end):
-    ro = rollout(config, s, state["policy"], train_recs, it)
-    reward = ro["reward"]
-    if config.rl.get("debug_nan_iter", -1) == it:  # test hook: a non-finite reward
-      reward = reward.copy()
-      reward[0] = np.nan
-    if not np.all(np.isfinite(reward)):
-      logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, reward)
+    state, m, ro = iteration(config, s, state, train_recs, it)
+    if m is None:
+      logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, ro["reward"])
       writer.write_scalars(it, {"skipped_nonfinite_reward": 1.0})
-      state = dict(state, step=state["step"] + 1)
       continue
-    adv = advantages.group_advantages(reward, g, config.rl.advantage)
-    adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
-    state, m = s.step_fn(state, frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], rng.stream(ro["key"], "train"))
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
-    strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))
-    m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
-             group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))),
-             **{f"reward_{name}": float(np.mean(v)) for name, v in ro["parts"].items()})
     if not math.isfinite(m["loss"]):
       raise FloatingPointError(f"RL loss became {m['loss']} at iteration {it}; checkpoints in {mngr.directory} "
                                "are intact.")

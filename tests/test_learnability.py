@@ -1,0 +1,29 @@
+"""The first rung of the learnability ladder, in CI: a few RL updates of the shipped base on the brightness reward
+(the focused preset) raise brightness clearly more than the same run with advantages shuffled inside groups
+(same seeds, same prompts). It fails if the loop stops learning: a broken sign, a gradient that no longer
+reaches the policy, a reward that no longer reaches the advantages."""
+import numpy as np
+
+from margrpo_jax.data import shapes
+from margrpo_jax.jobs import learnability
+from margrpo_jax.rl import train
+
+SETTINGS = dict(optim=dict(lr=3e-4), rl=dict(prompts_per_iter=4, group_size=4), sampling=dict(num_steps=8),
+                eval=dict(batch_size=32))
+
+
+def test_focused_rl_raises_brightness_above_the_shuffled_control():
+  config = learnability.rl_config("focused", "brightness", iters=8, overrides=SETTINGS)
+  train_recs = shapes.split_records("train", num_train=2000)
+  eval_recs = shapes.split_records("eval")[::16]  # 32 prompts, 8 per task
+  s = train.setup(config)
+  before = learnability.eval_rewards(config, s, s.policy, eval_recs, "brightness")
+  real = learnability.run_one(config, train_recs, eval_recs, "brightness", before, s)
+  config.rl.shuffle_advantages = True
+  control = learnability.run_one(config, train_recs, eval_recs, "brightness", before, s)
+  gain, control_gain = real["after"] - real["before"], control["after"] - control["before"]
+  gap = learnability.paired(control["after_rewards"], real["after_rewards"])
+  # Measured (3 seeds): gain 0.07-0.23, control 0.02-0.06 (random updates make the black background noisier).
+  assert real["z"] > 4 and gap["z"] > 3, (real, control, gap)
+  assert gain > 1.5 * control_gain + 0.02, (gain, control_gain)
+  assert np.isfinite(real["rollout_reward"]).all() and len(real["rollout_reward"]) == 8

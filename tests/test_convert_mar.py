@@ -277,3 +277,26 @@ def test_sample_job_draws_class_images_through_kl16(tmp_path, monkeypatch):
     im = np.asarray(Image.open(tmp_path / "w" / "samples" / f"{i}.png"))
     assert im.shape == (32, 32, 3) and im.dtype == np.uint8 and im.std() > 0
   assert os.path.isfile(tmp_path / "w" / "grid.png")
+
+
+class _Payload:  # a class a checkpoint may pickle: loading it would run its code
+  def __reduce__(self):
+    return (print, ("unpickled",))
+
+
+def test_torch_files_load_weights_only(tmp_path):
+  """Tensors and MAR's pickled ``argparse.Namespace`` load; any other pickled object, or garbage bytes, is one
+  sentence (``weights_only=True`` always: unpickling arbitrary objects can run code)."""
+  import argparse
+
+  import torch
+
+  from margrpo_jax.convert import core
+  torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(model="mar_base")}, tmp_path / "ok.pth")
+  assert np.asarray(core.read_checkpoint(str(tmp_path / "ok.pth"))["model"]["w"]).tolist() == [1.0, 1.0]
+  torch.save({"model": {"w": torch.ones(2)}, "x": _Payload()}, tmp_path / "code.pth")
+  with pytest.raises(core.ConversionError, match="re-save it as a state dict"):
+    core.read_checkpoint(str(tmp_path / "code.pth"))
+  (tmp_path / "junk.pth").write_bytes(np.random.default_rng(0).bytes(512))
+  with pytest.raises(core.ConversionError, match="is not a readable PyTorch checkpoint"):
+    core.read_checkpoint(str(tmp_path / "junk.pth"))

@@ -48,14 +48,28 @@ def _flatten(tree, prefix=""):
 
 
 def _torch_load(path: str):
+  """A PyTorch file read with ``weights_only=True`` (tensors and plain containers; unpickling anything else could
+  run code). The one extra type allowed is ``argparse.Namespace``, which released MAR files save beside the
+  weights."""
   try:
     import torch
   except ImportError as e:  # torch is only needed to read .pth files
     raise ConversionError(f"reading {path} needs PyTorch (pip install torch); safetensors files do not.") from e
+  import argparse
+  import pickle
   try:
-    return torch.load(path, map_location="cpu", weights_only=True)
-  except Exception:  # released MAR files pickle an argparse.Namespace next to the weights (MODELS.md 1.6)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+      return torch.load(path, map_location="cpu", weights_only=True)
+  except pickle.UnpicklingError as e:
+    found = re.search(r"GLOBAL (\S+)", str(e))
+    if not found:
+      raise ConversionError(f"{path} is not a readable PyTorch checkpoint (the unpickler stopped: "
+                            f"{str(e).splitlines()[0][:120]}).") from None
+    raise ConversionError(
+        f"{path} pickles {found.group(1)}, which is not loaded (unpickling can run code): re-save it as a state "
+        "dict (torch.save(model.state_dict(), 'weights.pth')) or as safetensors.") from None
+  except (RuntimeError, EOFError, OSError) as e:
+    raise ConversionError(f"{path} is not a readable PyTorch checkpoint ({str(e).splitlines()[0]}).") from None
 
 
 def _safetensors_load(path: str) -> dict:

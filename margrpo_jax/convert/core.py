@@ -63,8 +63,8 @@ def _torch_load(path: str):
   except pickle.UnpicklingError as e:
     found = re.search(r"GLOBAL (\S+)", str(e))
     if not found:
-      raise ConversionError(f"{path} is not a readable PyTorch checkpoint (the unpickler stopped: "
-                            f"{str(e).splitlines()[0][:120]}).") from None
+      raise ConversionError(f"{path} is not a readable PyTorch checkpoint (truncated, corrupt or another "
+                            "format).") from None
     raise ConversionError(
         f"{path} pickles {found.group(1)}, which is not loaded (unpickling can run code): re-save it as a state "
         "dict (torch.save(model.state_dict(), 'weights.pth')) or as safetensors.") from None

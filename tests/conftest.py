@@ -15,7 +15,9 @@ except ImportError:
 import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+FIXTURES = REPO / "tests" / "fixtures"
+SHARED_DATA = FIXTURES / "data"  # vendored prompt sets (each with its LICENSE) and the CLIP BPE vocabulary
+KEYS = FIXTURES / "keys"          # parameter-name lists of the official checkpoints (facts, one name a line)
 
 
 def small_model_config():

@@ -1,5 +1,5 @@
 """The project's CLIP BPE tokenizer gives open_clip's ids (``SimpleTokenizer``, same vocab file) on every prompt of
-/work/shared/data (GenEval, T2I-CompBench, MAR-GRPO's T2I-R1 prompts) and on hand-made edge cases: exact equality."""
+the vendored prompt sets in tests/fixtures/data (GenEval, T2I-CompBench, MAR-GRPO's T2I-R1 prompts) and on hand-made edge cases: exact equality."""
 from __future__ import annotations
 
 import json

@@ -23,7 +23,7 @@ from margrpo_jax.convert.__main__ import run as convert_run
 from margrpo_jax.models import class_mar, diffusion_head, layers
 
 torch = pytest.importorskip("torch")
-KEYS = REPO.parent / "shared" / "spec" / "keys"
+from conftest import KEYS  # noqa: E402
 ATOL = 1e-4
 
 

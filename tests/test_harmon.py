@@ -19,7 +19,7 @@ from margrpo_jax.convert import core, harmon as convert_harmon
 from margrpo_jax.models import harmon, qwen_tokenizer
 from test_qwen2 import build_tokenizer
 
-KEYS = os.path.join(os.path.dirname(SHARED_DATA), "spec", "keys")
+from conftest import KEYS  # noqa: E402
 ATOL = 5e-5  # float32 parity of the whole backbone (encoder, 2-layer LLM, decoder); measured 3.6e-6, |z| <= 3.7
 
 

@@ -17,7 +17,7 @@ from margrpo_jax.models import class_mar
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 
 HERE = pathlib.Path(__file__).resolve().parent
-KEYS = HERE.parents[1] / "shared" / "spec" / "keys"
+KEYS = HERE / "fixtures" / "keys"
 MESHES = ("8x1", "2x4", "1x8", "2x2x2")
 TOL = 1e-5
 

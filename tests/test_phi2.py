@@ -13,7 +13,7 @@ from conftest import REPO
 from margrpo_jax.convert import core, phi2 as phi2_convert
 from margrpo_jax.models import phi2
 
-KEYS = os.path.join(REPO, "..", "shared", "spec", "keys")
+from conftest import KEYS  # noqa: E402
 
 
 def read_keys(name: str) -> dict[str, tuple[int, ...]]:

@@ -11,7 +11,7 @@ from margrpo_jax.data import shapes
 from margrpo_jax.data import prompt_files as pf
 from margrpo_jax.data import tfds_builders as tb
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parent / "fixtures" / "data"  # vendored prompt sets
 needs_shared = pytest.mark.skipif(
   not SHARED.is_dir(), reason=f"shared prompt sets not found at {SHARED} (../shared/data)"
 )

@@ -20,7 +20,7 @@ from margrpo_jax.models import vae
 
 torch = pytest.importorskip("torch")
 nn, F = torch.nn, torch.nn.functional
-KEYS = REPO.parent / "shared" / "spec" / "keys"
+from conftest import KEYS  # noqa: E402
 ATOL = 1e-4
 
 

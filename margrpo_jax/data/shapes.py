@@ -1,6 +1,6 @@
 """The shapes world: the project's offline, verifiable text-to-image task.
 
-Contract: ``/work/shared/spec/SHAPES_WORLD.md``. Everything here follows it exactly.
+This module is the task's definition: grammar, renderer and splits as written out below.
 
 Images
     32 x 32 RGB uint8, background exactly (0, 0, 0); objects are filled squares, circles and

@@ -1,7 +1,7 @@
 """Shapes-world verifier (numpy reference and a jittable JAX twin that agrees bit-for-bit).
 
-Contract: ``/work/shared/spec/SHAPES_WORLD.md`` section "Verifier". Every threshold uses exact
-integer arithmetic, so both implementations (and any checker from the spec) agree.
+Contract: the prompts and renders of :mod:`margrpo_jax.data.shapes`; the rules are written out below. Every
+threshold uses exact integer arithmetic, so both implementations (and any checker from the spec) agree.
 
 1. Pixel class: nearest of (black, *PALETTE in COLORS order) by squared RGB distance
    d2 = sum (p - c)^2 (integers; ties go to the earlier entry); min d2 > 60^2 = 3600 -> unknown.

@@ -38,15 +38,6 @@ from margrpo_jax.sampling.sampler import Record  # noqa: E402
 K_AXIS = dict(j=1, x_t=1, x_prev=1, old_logp=1, ref_mean=1, ref_std=1, mte_x_t=2, mte_x_prev=2, mte_old_logp=2)
 
 
-def set_key(config, assignment: str):
-  """``block.key=value`` (nested blocks allowed), cast to the type of the current value."""
-  key, value = assignment.split("=", 1)
-  *blocks, name = key.split(".")
-  node = functools.reduce(lambda c, b: c[b], blocks, config)
-  old = node[name]
-  node[name] = (value.lower() in ("1", "true")) if isinstance(old, bool) else type(old)(value)
-
-
 def at_step(batch, n):
   """The batch scored at its diffusion list entry ``n`` only (k = 1)."""
   return batch.replace(**{f: jax.lax.dynamic_slice_in_dim(getattr(batch, f), n, 1, ax) for f, ax in K_AXIS.items()})
@@ -77,7 +68,7 @@ def main():
   config.rl.rewards[args.reward] = 1.0
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
   for a in args.set:
-    set_key(config, a)
+    config_files.override(config, a)
   s = train.setup(config)
   t0 = time.time()
   ro = train.rollout(config, s, s.policy, shapes.split_records("train", num_train=2000), 0)

@@ -15,7 +15,6 @@ the variant's images after training with the control's (paired). Prints a table,
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -23,9 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grad_snr import set_key  # noqa: E402
-
+from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.jobs import learnability as L  # noqa: E402
 from margrpo_jax.rl import train  # noqa: E402
@@ -58,7 +55,7 @@ def main():
       for seed in map(int, args.seeds.split(",")):
         c = L.rl_config(variant, reward, args.iters, dict(seed=seed))
         for a in DEFAULT_SETTINGS + tuple(args.set):
-          set_key(c, a)
+          config_files.override(c, a)
         s = train.setup(c)
         before = L.eval_rewards(c, s, s.policy, eval_recs, reward) if before is None else before
         t1 = time.time()

@@ -24,6 +24,17 @@ def load(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
   return mod.get_config(arg) if arg is not None else mod.get_config()
 
 
+def override(config: ml_collections.ConfigDict, assignment: str) -> None:
+  """Apply ``'block.key=value'`` (nested blocks allowed), cast to the type of the current value (scripts' --set)."""
+  key, value = assignment.split("=", 1)
+  *blocks, name = key.split(".")
+  node = config
+  for b in blocks:
+    node = node[b]
+  old = node[name]
+  node[name] = (value.lower() in ("1", "true")) if isinstance(old, bool) else type(old)(value)
+
+
 CAPTIONS = "a photo of a red apple on a wooden table,a cat sitting on a sofa"  # text-to-image sample default
 
 

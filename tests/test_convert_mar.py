@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.convert import core, mar as mar_convert
 from margrpo_jax.convert.__main__ import run as convert_run

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import SHARED_DATA
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.convert import core, harmon as convert_harmon
 from margrpo_jax.models import harmon, qwen_tokenizer

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
 
 from margrpo_jax.convert import core, phi2 as phi2_convert
 from margrpo_jax.models import phi2

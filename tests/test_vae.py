@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
 from margrpo_jax.convert import core, kl16, sdvae
 from margrpo_jax.convert.__main__ import run as convert_run
 from margrpo_jax.models import vae

@@ -50,8 +50,6 @@ class BatchConfig:
   mte_latent: str = "step"         # 'step' (intended) | 'commit' (official A2)
   mte_commit_guided: bool = False  # with 'commit': CFG at the constant sampler scale from the commit-time cond
                                    # and uncond latents (official Harmon); False: unguided (official NOVA, B6)
-  mte_actual: str = "keep"         # a decoded token in U: 'keep' its own (image-producing) chain | 'include' it in
-                                   # the MTE average | 'replace' it by the MTE mean (official)
   topk_scope: str = "region"       # U among the loss region's tokens | 'all' positions (official)
   selection_chains: str = "independent"  # U and M' from chains of their own | 'scored': from the scored samples
                                          # (official)
@@ -60,9 +58,8 @@ class BatchConfig:
                                    # actions that reach the image: plain REINFORCE credit assignment)
 
 
-OPTIONS = dict(mte_latent=("step", "commit"), mte_actual=("keep", "include", "replace"),
-               topk_scope=("region", "all"), selection_chains=("independent", "scored"),
-               loss_tokens=("unknown", "decoded"))
+OPTIONS = dict(mte_latent=("step", "commit"), topk_scope=("region", "all"),
+               selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"))
 
 
 def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[int, int]:

@@ -8,11 +8,11 @@ Sample (captions are wrapped in Harmon's chat prompt; CFG against "Generate an i
 python -m margrpo_jax.main --config=configs/harmon.py:0.5b --config.mode=sample --workdir=W \
     --config.checkpoint=HARMON_05 --config.model.tokenizer_path=Qwen2.5-0.5B-Instruct \
     --config.model.vae_checkpoint=KL16 [--config.prompts="a red apple,two cats"]
-Plan (parameters per component, MODELS.md 2.7; compile needs sharding rules for the LLM's parameters):
+Plan (parameters per component, docs/models.md section 2.7; compile needs sharding rules for the LLM's parameters):
 python -m margrpo_jax.main --config=configs/harmon.py:1.5b --config.mode=plan --config.plan.compile=False --workdir=W
 
-Generation defaults (MODELS.md 2.3): 64 AR steps, 100 diffusion steps, CFG 3.0 constant, temperature 1.0.
-RL (ALGORITHM.md 10, Harmon column): G = 4, lr 1e-6 constant, AdamW (0.9, 0.999, 1e-8) wd 0, grad clip 1.0,
+Generation defaults (docs/models.md section 2.3): 64 AR steps, 100 diffusion steps, CFG 3.0 constant, temperature 1.0.
+RL (docs/algorithm.md section 10, Harmon column): G = 4, lr 1e-6 constant, AdamW (0.9, 0.999, 1e-8) wd 0, grad clip 1.0,
 beta 0.01, 12 of 64 AR steps and 10 diffusion steps scored, S = 5 MTE seeds, top 30 %, consistency selection,
 1200 iterations, reward HPS v2.1; only the MAR encoder / decoder is trained (``Harmon.policy_components``).
 ``checkpoint``, ``model.tokenizer_path`` and ``model.vae_checkpoint`` must be set except in plan mode.

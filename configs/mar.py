@@ -6,16 +6,16 @@ python -m margrpo_jax.convert --family=mar --src=pretrained_models/mar/mar_base/
 python -m margrpo_jax.convert --family=kl16 --src=pretrained_models/vae/kl16.ckpt --out=KL16
 python -m margrpo_jax.main --config=configs/mar.py:base --config.mode=sample --workdir=W \
     --config.checkpoint=MAR_B --config.model.vae_checkpoint=KL16 [--config.prompts=207,88,979]
-Generation defaults (MODELS.md 1.3): 64 AR steps, 100 diffusion steps, linear CFG 2.9 / 3.0 / 3.2 (B / L / H),
-temperature 1.0 (the README evaluates with 256 AR steps: --config.sampling.num_steps=256).
+Generation defaults (docs/models.md section 1.3): 64 AR steps, 100 diffusion steps, linear CFG 2.9 / 3.0 / 3.2
+(B / L / H), temperature 1.0 (the README evaluates with 256 AR steps: --config.sampling.num_steps=256).
 
 Plan:
 
 python -m margrpo_jax.main --config=configs/mar.py:huge --config.mode=plan --workdir=W \
     [--config.parallel.mesh.fsdp=8 --config.parallel.mesh.data=1]
 (on CPU, simulate the pod: XLA_FLAGS=--xla_force_host_platform_device_count=8). Prints the parameters per
-component (MODELS.md section 1.7) and the per-device compiled memory of the sharded rollout and RL step.
-RL hyper-parameters are the paper's (ALGORITHM.md section 10): 64 AR steps with 12 scored, 10 diffusion steps
+component (docs/models.md section 1.7) and the per-device compiled memory of the sharded rollout and RL step.
+RL hyper-parameters are the paper's (docs/algorithm.md section 10): 64 AR steps with 12 scored, 10 diffusion steps
 scored per AR step, S = 5 MTE trajectories, top 30%, G = 4, lr 1e-6, beta 0.01.
 """
 import ml_collections
@@ -24,7 +24,7 @@ from margrpo_jax import config_files
 from margrpo_jax.models import class_mar
 
 
-CFG = {"base": 2.9, "large": 3.0, "huge": 3.2}  # MODELS.md 1.3 (README evaluation)
+CFG = {"base": 2.9, "large": 3.0, "huge": 3.2}  # docs/models.md section 1.3 (README evaluation)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -11,15 +11,16 @@ Sample:
 python -m margrpo_jax.main --config=configs/nova.py:d48w1024 --config.mode=sample --workdir=W \
     --config.checkpoint=NOVA_W1024 --config.model.tokenizer_path=nova-d48w1024-sdxl1024/tokenizer \
     --config.model.vae_checkpoint=SDXL_VAE [--config.prompts="a red apple,two cats"]
-Plan (parameters per component; MODELS.md 3.7: backbone + head = the transformer, plus Phi-2 and the null rows):
+Plan (parameters per component; docs/models.md section 3.7: backbone + head = the transformer, plus Phi-2 and the
+null rows):
 python -m margrpo_jax.main --config=configs/nova.py:d48w1024 --config.mode=plan --config.plan.compile=False --workdir=W
 
-Generation defaults (MODELS.md 3.3): 64 AR steps (cos schedule, round, zero-count steps skipped), 25 Euler flow
-steps (``sampling.flow_noise_level`` 0 = NOVA's ODE), CFG 5 constant against the null text, no temperature.
-RL (ALGORITHM.md 10, NOVA column): G = 4, 3 prompts per step (3 GPUs x 1), lr 2e-6 constant, AdamW (0.9, 0.999,
-1e-8) wd 0, grad clip 1.0, beta 0.01, 12 of the 63 non-empty AR steps and 10 of 25 diffusion steps scored, flow
-SDE noise level 0.7 in rollouts (``rl.flow_noise_level``), S = 3 MTE seeds, top 30 %, consistency selection,
-channel reduction 'mean', 1200 iterations, reward HPS v2.1; trained: the transformer without its head
+Generation defaults (docs/models.md section 3.3): 64 AR steps (cos schedule, round, zero-count steps skipped), 25
+Euler flow steps (``sampling.flow_noise_level`` 0 = NOVA's ODE), CFG 5 constant against the null text, no temperature.
+RL (docs/algorithm.md section 10, NOVA column): G = 4, 3 prompts per step (3 GPUs x 1), lr 2e-6 constant, AdamW (0.9,
+0.999, 1e-8) wd 0, grad clip 1.0, beta 0.01, 12 of the 63 non-empty AR steps and 10 of 25 diffusion steps scored, flow
+SDE noise level 0.7 in rollouts (``rl.flow_noise_level``), S = 3 MTE seeds, top 30 %, consistency selection, channel
+reduction 'mean', 1200 iterations, reward HPS v2.1; trained: the transformer without its head
 (``NOVA.policy_components``); frozen: DiffusionMLP, Phi-2, VAE.
 ``checkpoint``, ``model.tokenizer_path`` and ``model.vae_checkpoint`` must be set except in plan mode (the sample
 job says so in one sentence; so do ``NOVA.prompt_ids`` / ``NOVA.decode_images``).
@@ -46,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.flow_noise_level = 0.0       # Euler ODE (NOVA); rollouts use rl.flow_noise_level
   c.rl.update(group_size=4, prompts_per_iter=3, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=3,
               topk_fraction=0.3, consistency=True, beta=0.01, channel_reduction="mean", remat=True)
-  c.rl.flow_noise_level = 0.7             # Flow-GRPO SDE (ALGORITHM.md 3.4)
+  c.rl.flow_noise_level = 0.7             # Flow-GRPO SDE (docs/algorithm.md section 3.4)
   c.rl.rewards = ml_collections.ConfigDict(dict(hps=1.0))
   c.optim.update(lr=2e-6, warmup_steps=0, decay="constant", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                  grad_clip=1.0)

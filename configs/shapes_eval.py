@@ -2,7 +2,7 @@
 
 python -m margrpo_jax.main --config=configs/shapes_eval.py --workdir=runs/eval \
     [--config.checkpoints=base,runs/rl/export] [--config.max_prompts=64] [--config.seed=0] \
-    [--config.dataset=geneval --config.split=test --config.manual_dir=../shared/data/geneval --config.per_category=8] \
+    [--config.dataset=geneval --config.split=test --config.manual_dir=PATH/geneval --config.per_category=8] \
     [--config.rewards.imagereward.checkpoint=DIR --config.rewards.imagereward.vocab=vocab.txt]
 
 Writes <workdir>/eval.json, eval.md and grid_<checkpoint>.png (margrpo_jax/jobs/eval.py). Sampling settings are

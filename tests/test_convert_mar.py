@@ -1,8 +1,8 @@
 """MAR as released: layer parity with timm / a torch SimpleMLPAdaLN, the MAR converter on a full-size synthetic
-MAR-B checkpoint, parameter counts (MODELS.md 1.7), and sampling a converted tiny MAR + KL-16 end to end.
+MAR-B checkpoint, parameter counts (docs/models.md section 1.7), and sampling a converted tiny MAR + KL-16 end to end.
 
-Synthetic checkpoints are built from ``keys/keys_mar_base.txt`` / ``keys_kl16_vae.txt`` (every key and shape; for
-the tiny ones every key with widths scaled down). Parity tolerance: atol 1e-4 in float32.
+Synthetic checkpoints are built from ``tests/fixtures/keys/keys_mar_base.txt`` / ``keys_kl16_vae.txt`` (every key
+and shape; for the tiny ones every key with widths scaled down). Parity tolerance: atol 1e-4 in float32.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_block_matches_timm():
 
 
 class _TorchAdaLNHead(torch.nn.Module):
-  """SimpleMLPAdaLN written from MODELS.md 1.4 (key names as in diffloss.net)."""
+  """SimpleMLPAdaLN written from docs/models.md section 1.4 (key names as in diffloss.net)."""
 
   def __init__(self, cin, width, cond, depth):
     nn = torch.nn
@@ -163,7 +163,7 @@ def test_mar_b_converts_with_full_coverage_from_the_ema_copy(mar_b_converted):
     np.testing.assert_array_equal(np.unique(np.asarray(flat[path])), np.float32(_value(index[key])))
   counts = {c: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params[c])) for c in ("backbone", "head")}
   assert sum(counts.values()) == sum(int(np.prod(s)) for _, s in keys)
-  assert (round(counts["backbone"] / 1e6, 2), round(counts["head"] / 1e6, 2)) == (172.17, 35.75)  # MODELS.md 1.7
+  assert (round(counts["backbone"] / 1e6, 2), round(counts["head"] / 1e6, 2)) == (172.17, 35.75)  # docs/models.md 1.7
 
 
 def test_converted_mar_b_runs_a_forward_pass(mar_b_converted):

@@ -39,7 +39,7 @@ def test_respaced_betas_and_posterior():
   assert d.betas[0] == pytest.approx(1 - ac(0), rel=1e-9)
   assert d.betas[1] == pytest.approx(1 - ac(42) / ac(0), rel=1e-9)
   assert d.betas[2] == pytest.approx(1 - ac(83) / ac(42), rel=1e-9)
-  # sigma_0 = sqrt(beta'_0) ~ 6.2e-3 (ALGORITHM.md 2.4: "sigma_0 ~ 6.2e-3 - 6.4e-3").
+  # sigma_0 = sqrt(beta'_0) ~ 6.2e-3 (docs/algorithm.md section 2.4: 6.2e-3 to 6.4e-3).
   assert 6.2e-3 <= math.sqrt(d.betas[0]) <= 6.45e-3
   post = lambda j: d.betas[j] * (1 - ac(int(d.timesteps[j - 1]))) / (1 - ac(int(d.timesteps[j])))
   assert d.posterior_variance[2] == pytest.approx(post(2), rel=1e-9)

@@ -1,4 +1,5 @@
-"""Rectified flow and the Flow-GRPO SDE step (ALGORITHM.md 3.4): std table, recorded log-probs, Euler ODE."""
+"""Rectified flow and the Flow-GRPO SDE step (docs/algorithm.md section 3.4): std table, recorded log-probs, Euler
+ODE."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 
 from margrpo_jax.diffusion import flow
 
-# ALGORITHM.md 3.4, "effective noise std per step" (3 decimals, the last one 4)
+# docs/algorithm.md section 3.4, per-step std (3 decimals, the last one 4)
 STD_TABLE = [0.700, 0.685, 0.474, 0.378, 0.320, 0.279, 0.248, 0.223, 0.202, 0.185, 0.169, 0.155, 0.143, 0.132,
              0.121, 0.111, 0.101, 0.092, 0.083, 0.073, 0.064, 0.054, 0.043, 0.030, 0.0007]
 

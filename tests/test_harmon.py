@@ -1,7 +1,8 @@
-"""Harmon: forward parity with a PyTorch reference written here from MODELS.md 2.2 (timm MAR blocks, HF Qwen2,
-gathered visible tokens, buffer reordering, 16^2 -> 32^2-style bilinear position tables), converter coverage on
+"""Harmon: forward parity with a PyTorch reference written here from docs/models.md section 2.2 (timm MAR blocks,
+HF Qwen2, gathered visible tokens, buffer reordering, 16^2 -> 32^2-style bilinear position tables), converter coverage on
 the exact keys of keys_Harmon-0.5B.txt (scaled-down shapes) and on the full-size key lists (shapes only), plan
-parameter counts (MODELS.md 2.7), the config, and sampling a converted tiny checkpoint through the MAR sampler."""
+parameter counts (docs/models.md section 2.7), the config, and sampling a converted tiny checkpoint through the MAR
+sampler."""
 from __future__ import annotations
 
 import functools
@@ -121,14 +122,15 @@ def test_exact_official_keys_convert_with_full_coverage():
     convert_harmon.fill(core.Converter(bad, _abstract(cfg), "synthetic"))
 
 
-# MODELS.md 2.7 (millions): LLM (tied head once), MAR backbone (with class_emb), head, projectors, total
+# docs/models.md section 2.7 (millions): LLM (tied head once), MAR backbone (with class_emb), head, projectors, total
 COUNTS = {"0.5b": (494.03, 172.17, 35.75, 2.99, 704.94), "1.5b": (1543.71, 791.20, 151.21, 8.66, 2494.77)}
 
 
 @pytest.mark.parametrize("size,keys_file", [("0.5b", "keys_Harmon-0.5B.txt"), ("1.5b", "keys_Harmon-1.5B.txt")])
 def test_full_size_keys_map_one_to_one_and_counts(size, keys_file):
   """Every official key maps onto the abstract full-size model with equal shapes (nothing allocated), and the
-  per-component counts (what plan mode prints: the same sum over the same abstract tree) equal MODELS.md 2.7."""
+  per-component counts (what plan mode prints: the same sum over the same abstract tree) equal docs/models.md
+  section 2.7."""
   keys = read_keys(keys_file)
   sd = {k: np.broadcast_to(np.float32(0), s) for k, s in keys.items()}  # no memory
   assert convert_harmon.infer_size(sd) == size
@@ -204,7 +206,7 @@ def torch_harmon():
 
 
 def reference_z(top, cfg, tokens, mask, ids, text_valid, pad_id=0):
-  """MODELS.md 2.2 literally: gather the visible tokens, [text ; visible ; buffer] through the LLM with the
+  """docs/models.md section 2.2 literally: gather the visible tokens, [text ; visible ; buffer] through the LLM with the
   padding mask and positions cumsum - 1, residual, MAR decoder with mask tokens (all in PyTorch)."""
   import torch
   import torch.nn.functional as F

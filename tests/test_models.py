@@ -8,7 +8,7 @@ from margrpo_jax.models import text
 
 
 def _mar_reference(bb, tokens, mask, cond):
-  """MAR's forward (MODELS.md 1.2) with the masked tokens physically dropped (same count per row)."""
+  """MAR's forward (docs/models.md section 1.2) with the masked tokens physically dropped (same count per row)."""
   b, seq_len, _ = tokens.shape
   x = jnp.concatenate([cond, bb.z_proj(tokens)], axis=1)
   x = bb.z_proj_ln(x + bb.encoder_pos_embed_learned[...])

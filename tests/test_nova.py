@@ -1,8 +1,8 @@
 """NOVA: parity of the post-norm ViT blocks, the MAE-split image encoder, the video-encoder condition and the
-DiffusionMLP against small PyTorch references written here from MODELS.md 3.1-3.4 (weights moved by the nova
-converter, so its key names are exercised too); converter coverage on the exact key names of
+DiffusionMLP against small PyTorch references written here from docs/models.md sections 3.1-3.4 (weights moved by the
+nova converter, so its key names are exercised too); converter coverage on the exact key names of
 keys_nova-d48w1024-sdxl1024.txt (scaled-down shapes) and, shape-only, on all five full-size key lists;
-MODELS.md 3.7 parameter counts; the family hooks and config errors."""
+docs/models.md section 3.7 parameter counts; the family hooks and config errors."""
 from __future__ import annotations
 
 import math
@@ -34,7 +34,7 @@ def tiny_config(**kw):
 
 
 def torch_reference(torch, cfg):
-  """NOVATransformer3DModel's T2I forward as MODELS.md describes it, with the official module names."""
+  """NOVATransformer3DModel's T2I forward as docs/models.md section 3 describes it, with the official module names."""
   nn, F = torch.nn, torch.nn.functional
 
   class Attention(nn.Module):
@@ -368,7 +368,7 @@ class _ShapeConverter(core.Converter):
     self.filled[path] = value
 
 
-# MODELS.md 3.7 (M): video encoder, image encoder, diffusion MLP, embeddings / misc, transformer total
+# docs/models.md section 3.7 (M): video encoder, image encoder, diffusion MLP, embeddings / misc, transformer total
 COUNTS = {"d48w768-sdxl1024": (113.46, 226.83, 20.90, 2.76, 363.95),
           "d48w1024-sdxl1024": (201.61, 403.10, 37.05, 3.94, 645.69),
           "d48w1536-sdxl1024": (453.41, 906.64, 83.09, 6.70, 1449.84),
@@ -379,7 +379,7 @@ COUNTS = {"d48w768-sdxl1024": (113.46, 226.83, 20.90, 2.76, 363.95),
 def test_full_size_key_lists_map_one_to_one():
   """For each released variant, every key of keys_nova-<variant>.txt maps onto the abstract full-size model with
   equal shapes and fills every transformer leaf (Phi-2 is checked in test_phi2); per-part parameter counts equal
-  MODELS.md 3.7 (the 1.31 M null-text buffer is counted apart, as there)."""
+  docs/models.md section 3.7 (the 1.31 M null-text buffer is counted apart, as there)."""
   n = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
   for variant, want in COUNTS.items():
     cfg = nova.nova_config(variant)
@@ -406,8 +406,8 @@ def test_variant_inference():
 
 
 def test_nova_mask_schedule():
-  """cos / round / zero steps skipped: ALGORITHM.md 3.3's 63 counts for 1024 tokens, MODELS.md's 1, 4, 6, 9 for
-  4096."""
+  """cos / round / zero steps skipped: the 63 counts of docs/algorithm.md section 3.3 for 1024 tokens, 1, 4, 6, 9
+  (docs/models.md section 3.3) for 4096."""
   from margrpo_jax.sampling import nova as nova_sampling
   want = [1, 2, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 8, 9, 9, 10, 10, 11, 12, 12, 13, 13, 14, 14, 15, 15, 15, 17, 16, 17,
           18, 18, 18, 19, 19, 20, 20, 20, 21, 21, 22, 21, 22, 23, 22, 23, 23, 23, 24, 24, 24, 24, 24, 25, 24, 25, 25,

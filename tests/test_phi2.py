@@ -105,7 +105,7 @@ def abstract_phi(cfg):
 
 
 def test_full_size_parameter_count():
-  """Abstract Phi-2 has MODELS.md 3.5's 2,648.56 M parameters (keys file minus lm_head)."""
+  """Abstract Phi-2 has the 2,648.56 M parameters of docs/models.md section 3.5 (keys file minus lm_head)."""
   keys = read_keys("keys_phi2_text_encoder.txt")
   want = sum(int(np.prod(s)) for k, s in keys.items() if not k.startswith("lm_head"))
   tree = abstract_phi(phi2.phi2_config())

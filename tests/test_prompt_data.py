@@ -13,7 +13,7 @@ from margrpo_jax.data import tfds_builders as tb
 
 SHARED = Path(__file__).resolve().parent / "fixtures" / "data"  # vendored prompt sets
 needs_shared = pytest.mark.skipif(
-  not SHARED.is_dir(), reason=f"shared prompt sets not found at {SHARED} (../shared/data)"
+  not SHARED.is_dir(), reason=f"vendored prompt sets not found at {SHARED}"
 )
 
 GENEVAL = SHARED / "geneval" / "evaluation_metadata.jsonl"

@@ -1,6 +1,6 @@
-"""The KL autoencoders: KL-16 (LDM layout) against a torch reference written from MODELS.md 1.5, the SD / SDXL VAE
-against ``diffusers.AutoencoderKL``, both through their converter CLIs, and the official key lists converting
-with full coverage and MODELS.md's parameter counts (KL-16 66.46 M, SD / SDXL VAE 83.65 M).
+"""The KL autoencoders: KL-16 (LDM layout) against a torch reference written from docs/models.md section 1.5, the
+SD / SDXL VAE against ``diffusers.AutoencoderKL``, both through their converter CLIs, and the official key lists
+converting with full coverage and the parameter counts of docs/models.md (KL-16 66.46 M, SD / SDXL VAE 83.65 M).
 
 Parity: posterior mean / logvar and decoded images, atol 1e-4 in float32 (values are O(1)).
 """
@@ -43,7 +43,7 @@ def _randomize(module, seed: int):
   return module.eval()
 
 
-# ----------------------------------------------------------------------------- KL-16 torch reference (MODELS.md 1.5)
+# -------------------------------------------------------------------------- KL-16 torch reference (docs/models.md 1.5)
 
 
 def _gn(c):
@@ -108,7 +108,7 @@ def _mid(c):
 
 
 class TorchKL(nn.Module):
-  """The LDM ``AutoencoderKL`` of MODELS.md 1.5 with configurable widths / levels / attention levels."""
+  """The LDM ``AutoencoderKL`` of docs/models.md section 1.5 with configurable widths / levels / attention levels."""
 
   def __init__(self, ch, mult, blocks, enc_attn, dec_attn, z):
     super().__init__()
@@ -197,7 +197,7 @@ def test_kl16_official_keys_convert_with_full_coverage():
   assert report["used"] == report["source_keys"] == len(sd) == 312
   assert (tuple(cfg.ch_mult), cfg.num_res_blocks, tuple(cfg.enc_attn_levels), tuple(cfg.dec_attn_levels),
           cfg.z_channels, cfg.scale) == ((1, 1, 2, 2, 4), 2, (4,), (), 16, 0.2325)
-  assert _count(params) == 66_456_019  # MODELS.md 1.5: 66.46 M (encoder 28.27 M, decoder 38.19 M)
+  assert _count(params) == 66_456_019  # docs/models.md 1.5: 66.46 M (encoder 28.27 M, decoder 38.19 M)
   assert round((_count(params["encoder"]) + _count(params["quant_conv"])) / 1e6, 2) == 28.27
   assert round((_count(params["decoder"]) + _count(params["post_quant_conv"])) / 1e6, 2) == 38.19
   del sd["encoder.down.4.attn.1.proj_out.weight"]
@@ -232,7 +232,7 @@ def test_sd_sdxl_official_keys_convert_with_full_coverage(tmp_path):
   cfg, params, report = sdvae.convert(sd, origin=str(tmp_path / "w.safetensors"), size="sd")
   assert report["used"] == report["source_keys"] == len(sd) == 248
   assert (tuple(cfg.ch_mult), cfg.num_res_blocks, cfg.z_channels, cfg.scale) == ((1, 2, 4, 4), 2, 4, 0.18215)
-  assert _count(params) == 83_653_863  # MODELS.md 3.5: 83.65 M
+  assert _count(params) == 83_653_863  # docs/models.md 3.5: 83.65 M
   sd["vae.decoder.up_blocks.3.resnets.2.conv2.weight"] = np.zeros((128, 128, 3, 1), np.float32)
   with pytest.raises(core.ConversionError, match=r"decoder\.up_blocks\.3\.resnets\.2\.conv2\.weight.*shape"):
     sdvae.convert(sd, origin=str(tmp_path / "w.safetensors"), size="sdxl")

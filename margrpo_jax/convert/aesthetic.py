@@ -1,4 +1,4 @@
-"""LAION aesthetic heads (``.pth``) -> :class:`~margrpo_jax.models.clip.AestheticHead` (REWARDS.md 2.4).
+"""LAION aesthetic heads (``.pth``) -> :class:`~margrpo_jax.models.clip.AestheticHead` (docs/rewards.md section 2.4).
 
     python -m margrpo_jax.convert --family=aesthetic --src=sac+logos+ava1-l14-linearMSE.pth --out=DIR   # v2
     python -m margrpo_jax.convert --family=aesthetic --src=sa_0_4_vit_l_14_linear.pth --out=DIR         # v1

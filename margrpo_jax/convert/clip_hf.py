@@ -3,7 +3,7 @@
     python -m margrpo_jax.convert --family=clip_hf --src=PickScore_v1/model.safetensors --out=DIR      # ViT-H-14
     python -m margrpo_jax.convert --family=clip_hf --src=clip-vit-large-patch14/ --out=DIR            # ViT-L-14
 
-Layout (REWARDS.md 2.2): ``vision_model.embeddings.{patch_embedding.weight (no bias), class_embedding,
+Layout (docs/rewards.md section 2.2): ``vision_model.embeddings.{patch_embedding.weight (no bias), class_embedding,
 position_embedding.weight}``, ``vision_model.{pre_layrnorm, post_layernorm}``, ``{vision,text}_model.encoder.layers.
 {i}.{layer_norm1, layer_norm2, self_attn.{q,k,v,out}_proj, mlp.fc1, mlp.fc2}`` (q, k, v concatenated into the fused
 projection), ``text_model.embeddings.{token,position}_embedding.weight``, ``text_model.final_layer_norm``,

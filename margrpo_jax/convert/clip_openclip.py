@@ -3,7 +3,7 @@
     python -m margrpo_jax.convert --family=clip_openclip --src=HPS_v2.1_compressed.pt --out=DIR   # ViT-H-14
     python -m margrpo_jax.convert --family=clip_openclip --src=open_clip_pytorch_model.bin --out=DIR --size=ViT-L-14
 
-Layout (REWARDS.md 2.1; OpenAI's ``ViT-*.pt`` weights use the same names): ``visual.conv1.weight`` (no bias),
+Layout (docs/rewards.md 2.1; OpenAI's ``ViT-*.pt`` weights use the same names): ``visual.conv1.weight`` (no bias),
 ``visual.{class_embedding, positional_embedding, ln_pre, ln_post}``, ``visual.proj`` (W, E) used as ``x @ proj``,
 ``{visual.,}transformer.resblocks.{i}.{ln_1, ln_2, attn.in_proj_weight (3W, W) = [q; k; v], attn.in_proj_bias,
 attn.out_proj, mlp.c_fc, mlp.c_proj}``, ``token_embedding.weight``, ``positional_embedding``, ``ln_final``,

@@ -8,7 +8,7 @@ leaf from a source tensor with :class:`Converter`:
     conv.ignore(r"^lm_head\\.weight$", "tied to the embedding")
     params = conv.result()                          # raises unless every leaf is filled and every key used
 
-Rules (MODELS.md section 4): Linear ``kernel = W.T``; Conv2d ``kernel = W.transpose(2, 3, 1, 0)`` (NHWC);
+Rules (docs/models.md section 4): Linear ``kernel = W.T``; Conv2d ``kernel = W.transpose(2, 3, 1, 0)`` (NHWC);
 LayerNorm / GroupNorm ``scale = weight``; Embedding ``embedding = weight``; raw parameters copied as they are.
 Every mismatch is one sentence naming the source key and the target path.
 """

@@ -3,7 +3,8 @@ no VAE, no EMA) -> :class:`~margrpo_jax.models.harmon.Harmon` in float32.
 
     python -m margrpo_jax.convert --family=harmon --src=harmon_0.5b.pth --out=DIR
 
-Keys: MODELS.md section 2.6 (``keys/keys_Harmon-{0.5B,1.5B}.txt``); the size is read from the LLM width.
+Keys: docs/models.md section 2.6 (full lists: ``tests/fixtures/keys/keys_Harmon-{0.5B,1.5B}.txt``); the size is
+read from the LLM width.
 ``mar.*`` maps exactly like MAR's checkpoint (convert/mar.py), the diffusion head ``mar.diffloss.net.*`` to the
 ``head`` component, ``llm.model.*`` like a Qwen2 checkpoint (convert/qwen2.py). ``llm.lm_head.weight`` is tied to
 the embedding and unused by text-to-image; ``vae.*`` (HF ports) belongs to the KL-16 export (family ``kl16``).

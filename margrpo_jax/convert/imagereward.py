@@ -1,7 +1,7 @@
 """ImageReward v1.0 ``ImageReward.pt`` (a plain state dict) -> :class:`~margrpo_jax.models.blip.ImageReward`.
 
-Keys (REWARDS.md 2.3): ``blip.visual_encoder.*`` (timm ViT names), ``blip.text_encoder.*`` (BLIP med.py BERT:
-``embeddings.{word,position}_embeddings``, ``embeddings.LayerNorm``, ``encoder.layer.{i}.{attention,
+Keys (docs/rewards.md section 2.3): ``blip.visual_encoder.*`` (timm ViT names), ``blip.text_encoder.*`` (BLIP med.py
+BERT: ``embeddings.{word,position}_embeddings``, ``embeddings.LayerNorm``, ``encoder.layer.{i}.{attention,
 crossattention}.{self.{query,key,value}, output.{dense,LayerNorm}}``, ``intermediate.dense``,
 ``output.{dense,LayerNorm}``), ``mlp.layers.{0,2,4,6,7}`` (the head; 1, 3, 5 are dropouts). Ignored:
 ``blip.vision_proj`` / ``blip.text_proj`` (ITC projections, unused by the score) and the ``position_ids`` buffer.

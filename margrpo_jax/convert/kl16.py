@@ -1,7 +1,8 @@
 """MAR's KL-16 tokenizer ``kl16.ckpt`` (``{'model': state_dict}``, LDM layout) -> :class:`models.vae.AutoencoderKL`.
 
 Also the layout-independent walk over the VAE tree shared with ``convert/sdvae.py``: a :class:`Names` object
-says where each part of the network lives in the source (MODELS.md 1.5 / 3.5, ``keys/keys_kl16_vae.txt``):
+says where each part of the network lives in the source (docs/models.md sections 1.5 / 3.5,
+``tests/fixtures/keys/keys_kl16_vae.txt``):
 
     encoder.conv_in | encoder.down.{i}.block.{j}.{norm1,conv1,norm2,conv2,nin_shortcut}
     encoder.down.{i}.attn.{j}.{norm,q,k,v,proj_out} (1x1 convs) | encoder.down.{i}.downsample.conv

@@ -1,13 +1,14 @@
 """MAR (LTH14/mar) ``checkpoint-last.pth`` -> :class:`~margrpo_jax.models.class_mar.ClassMAR` (EMA weights).
 
-Keys: MODELS.md section 1.6 (``keys/keys_mar_{base,large,huge}.txt``); the size is read from the weights.
+Keys: docs/models.md section 1.6 (full lists: ``tests/fixtures/keys/keys_mar_{base,large,huge}.txt``); the size is
+read from the weights.
 """
 from __future__ import annotations
 
 from margrpo_jax.convert.core import ConversionError, Converter, abstract_params
 from margrpo_jax.models import class_mar
 
-PREFER = ("model_ema", "model")  # MODELS.md 1.6: use model_ema for inference
+PREFER = ("model_ema", "model")  # docs/models.md section 1.6: use model_ema for inference
 
 
 def infer_size(sd) -> str:
@@ -40,7 +41,7 @@ def convert_backbone(conv: Converter, prefix: str = "", dst: str = "backbone") -
 
 
 def convert_head(conv: Converter, prefix: str = "diffloss.net.", dst: str = "head") -> None:
-  """SimpleMLPAdaLN (MODELS.md 1.4): ``mlp.0 / mlp.2`` -> fc1 / fc2, ``adaLN_modulation.1`` -> ada_ln."""
+  """SimpleMLPAdaLN (docs/models.md section 1.4): ``mlp.0 / mlp.2`` -> fc1 / fc2, ``adaLN_modulation.1`` -> ada_ln."""
   conv.dense(f"{dst}/time_embed/fc1", prefix + "time_embed.mlp.0")
   conv.dense(f"{dst}/time_embed/fc2", prefix + "time_embed.mlp.2")
   conv.dense(f"{dst}/cond_embed", prefix + "cond_embed")

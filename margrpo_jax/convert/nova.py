@@ -1,9 +1,9 @@
-"""NOVA (diffusers pipeline folder, MODELS.md 3.6) -> :class:`~margrpo_jax.models.nova.NOVA`.
+"""NOVA (diffusers pipeline folder, docs/models.md section 3.6) -> :class:`~margrpo_jax.models.nova.NOVA`.
 
 ``--src`` is the ``transformer/`` folder (``diffusion_pytorch_model.safetensors``, keys
-``keys/keys_nova-<variant>.txt``); Phi-2 is read from the sibling ``text_encoder/`` folder (keys
-``keys/keys_phi2_text_encoder.txt``, ``lm_head`` ignored). The variant comes from ``--size`` (a name of
-``models.nova.VARIANTS``), else from the shapes (width, head depth / width, motion_embed), with
+``tests/fixtures/keys/keys_nova-<variant>.txt``); Phi-2 is read from the sibling ``text_encoder/`` folder (keys
+``tests/fixtures/keys/keys_phi2_text_encoder.txt``, ``lm_head`` ignored). The variant comes from ``--size`` (a name
+of ``models.nova.VARIANTS``), else from the shapes (width, head depth / width, motion_embed), with
 ``transformer/config.json``'s ``image_size`` telling d48w1024-sdxl1024 from d48w1024-sd512.
 
     python -m margrpo_jax.convert --family=nova --src=nova-d48w1024-sdxl1024/transformer --out=NOVA_W1024

@@ -1,7 +1,8 @@
 """Phi-2 (``PhiForCausalLM`` safetensors shards, e.g. NOVA's ``text_encoder/``) -> :class:`models.phi2.Phi2`.
 
-Keys: ``keys/keys_phi2_text_encoder.txt`` (``model.embed_tokens``, ``model.layers.{i}.{self_attn.{q,k,v}_proj,
-self_attn.dense, mlp.fc1, mlp.fc2, input_layernorm}``, ``model.final_layernorm``); ``lm_head`` is ignored.
+Keys (docs/models.md section 3.5; full list ``tests/fixtures/keys/keys_phi2_text_encoder.txt``):
+``model.embed_tokens``, ``model.layers.{i}.{self_attn.{q,k,v}_proj, self_attn.dense, mlp.fc1, mlp.fc2,
+input_layernorm}``, ``model.final_layernorm``; ``lm_head`` is ignored.
 The size is read from the weights (width, depth, FFN, vocab); heads follow Phi-2's head_dim 80.
 
     python -m margrpo_jax.convert --family=phi2 --src=nova-d48w1024-sdxl1024/text_encoder --out=DIR

@@ -1,7 +1,8 @@
 """The SD / SDXL VAE (diffusers ``AutoencoderKL`` layout, as NOVA ships it) -> :class:`models.vae.AutoencoderKL`.
 
 Source: a ``vae/`` folder (``diffusion_pytorch_model.safetensors`` + ``config.json``) or one weights file; keys
-``keys/keys_sd_sdxl_vae_diffusers.txt`` (a leading ``vae.`` is dropped when every key has it):
+(docs/models.md section 3.5; full list ``tests/fixtures/keys/keys_sd_sdxl_vae_diffusers.txt``; a leading ``vae.`` is
+dropped when every key has it):
 
     encoder.down_blocks.{i}.resnets.{j}.{norm1,conv1,norm2,conv2,conv_shortcut} | .downsamplers.0.conv
     {encoder,decoder}.mid_block.{resnets.0, attentions.0.{group_norm,to_q,to_k,to_v,to_out.0}, resnets.1}
@@ -9,8 +10,8 @@ Source: a ``vae/`` folder (``diffusion_pytorch_model.safetensors`` + ``config.js
     {encoder,decoder}.{conv_in,conv_norm_out,conv_out} | quant_conv | post_quant_conv
 
 The architecture is read from the weights; ``norm_num_groups``, ``scaling_factor`` and ``shift_factor`` from the
-``config.json`` beside the weights (MODELS.md 6: not verified for NOVA, so read, not assumed). Without a
-config.json, ``--size=sd`` (0.18215) or ``--size=sdxl`` (0.13025) chooses the scale.
+``config.json`` beside the weights (docs/models.md section 6: not verified for NOVA, so read, not assumed).
+Without a config.json, ``--size=sd`` (0.18215) or ``--size=sdxl`` (0.13025) chooses the scale.
 
     python -m margrpo_jax.convert --family=sdvae --src=BAAI/nova-d48w1024-sdxl1024/vae --out=SDXL_VAE
 """

@@ -107,7 +107,7 @@ class ShapesWorld(_BuilderMixin, tfds.core.GeneratorBasedBuilder):
       builder=self,
       description=(
         "Shapes-world text-to-image prompts with machine-checkable metadata "
-        "(see SHAPES_WORLD.md). 'metadata' is the JSON of the metadata dict."
+        "(see docs/shapes_world.md). 'metadata' is the JSON of the metadata dict."
       ),
       features=_features(),
       disable_shuffling=True,

@@ -1,4 +1,5 @@
-r"""Rectified flow as NOVA uses it (MODELS.md 3.4) and the flow SDE step of Flow-GRPO (ALGORITHM.md 3.4).
+r"""Rectified flow as NOVA uses it (docs/models.md section 3.4) and the flow SDE step of Flow-GRPO
+(docs/algorithm.md section 3.4).
 
 Forward process ``x_sigma = sigma eps + (1 - sigma) x_0``, target velocity ``v = eps - x_0``; training draws
 ``u = floor(sigmoid(N(0,1)) * 1000)`` per token, ``sigma = (1000 - u) / 1000`` and feeds ``t = 1000 sigma``.

@@ -1,4 +1,4 @@
-"""BLIP (ViT + BERT with cross-attention) and ImageReward v1.0 (REWARDS.md section 2.3).
+"""BLIP (ViT + BERT with cross-attention) and ImageReward v1.0 (docs/rewards.md section 2.3).
 
 * ``visual``: timm-style pre-LN ViT (:class:`~margrpo_jax.models.layers.Block`, LayerNorm eps 1e-6, exact GELU):
   ``x = [cls; conv_p(img)] + pos``, blocks, final ``norm``; all ``1 + (S/p)^2`` tokens are returned.

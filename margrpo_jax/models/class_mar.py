@@ -1,9 +1,9 @@
 """MAR as released (LTH14/mar): class-conditional, KL-16 latents (16 channels, 16 x 16 tokens at 256 px).
 
 The class embedding (or, for CFG and label drop, the learned ``fake_latent``) fills all ``buffer_size``
-buffer slots of the backbone (MODELS.md section 1.2). ``class_emb`` and ``fake_latent`` live inside the
-``backbone`` component, so the two components are exactly MODELS.md's "AR transformer" and "diffusion head"
-columns (MAR-B: 172,174,848 + 35,749,920 parameters).
+buffer slots of the backbone (docs/models.md section 1.2). ``class_emb`` and ``fake_latent`` live inside the
+``backbone`` component, so the two components are exactly the "AR transformer" and "diffusion head" columns
+of docs/models.md section 1.7 (MAR-B: 172,174,848 + 35,749,920 parameters).
 
 Prompts are class labels ("207" or "class 207"); sampled tokens are KL-16 latents (x 0.2325, raster order)
 decoded by the KL-16 export named by ``model_cfg.vae_checkpoint`` (``python -m margrpo_jax.convert --family=kl16``).
@@ -22,7 +22,7 @@ from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.layers import normal_param
 from margrpo_jax.models.mar import MARBackbone
 
-# size -> (width, encoder/decoder depth, heads, head depth, head width), MODELS.md section 1.1
+# size -> (width, encoder/decoder depth, heads, head depth, head width), docs/models.md section 1.1
 SIZES = {"base": (768, 12, 12, 6, 1024), "large": (1024, 16, 16, 8, 1280), "huge": (1280, 20, 16, 12, 1536)}
 
 

@@ -1,4 +1,4 @@
-"""MAR's diffusion head ``SimpleMLPAdaLN`` (MODELS.md section 1.4): an MLP of AdaLN residual blocks.
+"""MAR's diffusion head ``SimpleMLPAdaLN`` (docs/models.md section 1.4): an MLP of AdaLN residual blocks.
 
 ``y = TimeEmbed(t) + CondEmbed(z)``; each block: ``(shift, scale, gate) = W(SiLU(y))``,
 ``x <- x + gate * MLP(LN(x) * (1 + scale) + shift)``; final: ``Linear(LN(x) * (1 + scale) + shift)`` with a

@@ -1,12 +1,12 @@
 """Harmon (wusize/Harmon): MAR encoder -> Qwen2.5 -> MAR decoder, text-to-image through the MAR sampler
-(MODELS.md section 2).
+(docs/models.md section 2).
 
 Components (top-level attributes, so the trained / frozen split is by name): ``mar`` (MAR-B or MAR-H encoder /
 decoder with its position tables, ``mask_token``, ``fake_latent`` and the unused ``class_emb``: the only part RL
-trains, ALGORITHM.md section 9), ``llm`` (Qwen2.5, frozen), ``proj_in`` / ``proj_out`` (``Linear, SiLU, Linear``,
+trains, docs/algorithm.md section 9), ``llm`` (Qwen2.5, frozen), ``proj_in`` / ``proj_out`` (``Linear, SiLU, Linear``,
 frozen) and ``head`` (SimpleMLPAdaLN, frozen).
 
-One backbone call ``z = backbone(canvas, mask, ids)`` (MODELS.md 2.2):
+One backbone call ``z = backbone(canvas, mask, ids)`` (docs/models.md section 2.2):
 1. ``x, visible = mar.encode(canvas, mask, fake_latent in all buffer slots)`` (after ``encoder_norm``);
 2. ``u = proj_in(x)`` reordered to ``[image tokens ; buffer]``;
 3. ``h = llm([embed(ids) ; u])`` under the causal mask with keys restricted to the valid text tokens

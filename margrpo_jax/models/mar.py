@@ -1,5 +1,5 @@
 """The MAR backbone: an MAE-style bidirectional encoder over [buffer + visible tokens] and a decoder over
-all positions, producing one latent ``z`` per image token for the diffusion head (MODELS.md section 1.2).
+all positions, producing one latent ``z`` per image token for the diffusion head (docs/models.md section 1.2).
 
 Dropping masked tokens (MAR's encoder) is implemented with a key mask over all positions: the outputs at
 visible and buffer positions are identical to running the encoder on the gathered visible set, and shapes

@@ -1,6 +1,6 @@
-r"""NOVA text-to-image (baaivision/NOVA ``NOVATransformer3DModel`` + its Phi-2 encoder), MODELS.md section 3.
+r"""NOVA text-to-image (baaivision/NOVA ``NOVATransformer3DModel`` + its Phi-2 encoder), docs/models.md section 3.
 
-Components (top-level attributes; RL trains ``backbone`` only, ALGORITHM.md 9):
+Components (top-level attributes; RL trains ``backbone`` only, docs/algorithm.md section 9):
 
 - ``text_encoder``: Phi-2 (:mod:`margrpo_jax.models.phi2`), frozen.
 - ``null_text`` (512, 2560): NOVA's ``text_embed.weight`` buffer, the "null" text rows (frozen).
@@ -44,7 +44,8 @@ from margrpo_jax.models import phi2
 from margrpo_jax.models.diffusion_head import timestep_embedding
 from margrpo_jax.models.layers import Attention, Mlp, linear
 
-# variant -> width, heads, (head depth, head width), image token grid, video grid (t, h, w), VAE scale (MODELS.md 3.1)
+# variant -> width, heads, (head depth, head width), image token grid, video grid (t, h, w), VAE scale
+# (docs/models.md section 3.1)
 VARIANTS = {
     "d48w768-sdxl1024": (768, 12, (6, 768), (64, 64), (1, 32, 32), 0.13025),
     "d48w1024-sdxl1024": (1024, 16, (6, 1024), (64, 64), (1, 32, 32), 0.13025),

@@ -1,4 +1,4 @@
-r"""Phi-2 as NOVA's frozen text encoder (``PhiModel`` without ``lm_head``), MODELS.md section 3.5.
+r"""Phi-2 as NOVA's frozen text encoder (``PhiModel`` without ``lm_head``), docs/models.md section 3.5.
 
 Parallel pre-norm block with ONE input LayerNorm (eps 1e-5):
 

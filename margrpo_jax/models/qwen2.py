@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-# Qwen2.5-{0.5B,1.5B}-Instruct (MODELS.md section 2.1): hidden, layers, q heads, kv heads, head dim, FFN
+# Qwen2.5-{0.5B,1.5B}-Instruct (docs/models.md section 2.1): hidden, layers, q heads, kv heads, head dim, FFN
 SIZES = {"0.5b": (896, 24, 14, 2, 64, 4864), "1.5b": (1536, 28, 12, 2, 128, 8960)}
 VOCAB = 151936
 

@@ -1,5 +1,5 @@
 """The Qwen2.5 tokenizer (a Hugging Face ``tokenizer.json``: byte-level BPE plus the ``<|im_start|>`` /
-``<|im_end|>`` special tokens) and Harmon's chat prompt (MODELS.md section 2.3).
+``<|im_end|>`` special tokens) and Harmon's chat prompt (docs/models.md section 2.3).
 
 A caption ``c`` becomes ``<|im_start|>user\\nGenerate an image: c<|im_end|>\\n<|im_start|>assistant\\n`` and the
 CFG null prompt the same wrapping of ``Generate an image.``; both are tokenised as they are (the Qwen2 tokenizer

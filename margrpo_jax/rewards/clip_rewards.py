@@ -1,4 +1,4 @@
-"""CLIP-based rewards (REWARDS.md 2.1, 2.2, 2.4, 2.5): ``build(cfg)(images uint8 (B, H, W, 3), prompts) -> (B,)``.
+"""CLIP-based rewards (docs/rewards.md sections 2.1-2.5): ``build(cfg)(images uint8 (B, H, W, 3), prompts) -> (B,)``.
 
 Scores (``img``, ``txt``: L2-normalised CLIP embeddings; ``cos = <img, txt>``):
 

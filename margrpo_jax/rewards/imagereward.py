@@ -1,4 +1,5 @@
-"""The ImageReward v1.0 reward (REWARDS.md section 2.3): ``build(cfg)(images uint8 (B, H, W, 3), prompts) -> (B,)``.
+"""The ImageReward v1.0 reward (docs/rewards.md section 2.3): ``build(cfg)(images uint8 (B, H, W, 3), prompts) ->
+(B,)``.
 
 Preprocessing, as the package's ``Resize(224, BICUBIC) -> CenterCrop(224) -> ToTensor -> Normalize``: the shorter
 side is resized to ``S`` (PIL's bicubic: Keys a=-0.5, kernel widened by the downscale factor, weights renormalised

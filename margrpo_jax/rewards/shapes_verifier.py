@@ -1,7 +1,8 @@
 """Shapes-world verifier (numpy reference and a jittable JAX twin that agrees bit-for-bit).
 
-Contract: the prompts and renders of :mod:`margrpo_jax.data.shapes`; the rules are written out below. Every
-threshold uses exact integer arithmetic, so both implementations (and any checker from the spec) agree.
+Contract: docs/shapes_world.md, the prompts and renders of :mod:`margrpo_jax.data.shapes`; the rules are written out
+below. Every threshold uses exact integer arithmetic, so both implementations (and any checker written from the
+contract) agree.
 
 1. Pixel class: nearest of (black, *PALETTE in COLORS order) by squared RGB distance
    d2 = sum (p - c)^2 (integers; ties go to the earlier entry); min d2 > 60^2 = 3600 -> unknown.
@@ -60,7 +61,7 @@ def classify_pixels(image: np.ndarray) -> np.ndarray:
 
 
 def shape_of(h: int, w: int, area: int, top: int, bottom: int) -> str:
-  """Shape rule of the spec in exact integer arithmetic (see module docstring)."""
+  """Shape rule of docs/shapes_world.md section 6 in exact integer arithmetic (see module docstring)."""
   if not (10 * w >= 6 * h and 10 * w <= 16 * h):
     return SHAPE_UNKNOWN
   k = h // 2

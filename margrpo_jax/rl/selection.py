@@ -1,12 +1,12 @@
 r"""Which tokens get which gradient estimate: MTE uncertainty top-k and consistency-aware selection.
 
-Uncertainty (MTE, ALGORITHM.md section 6): from ``S`` final samples of the frozen head drawn from the same AR
+Uncertainty (MTE, docs/algorithm.md section 6): from ``S`` final samples of the frozen head drawn from the same AR
 latent, ``u[b, l] = mean_c std_s(x0^{(s)}[b, l, c])`` (population std). ``U = topk_mask(u, frac)`` marks the
 ``floor(frac * L)`` most uncertain tokens of each image (``jax.lax.top_k``: among equal values the lower
 position wins, so exactly ``floor(frac * L)`` tokens are selected, ties included): the official rule, known
 tokens included. :func:`topk_in_region` takes the top fraction of the loss region's tokens instead.
 
-Consistency (section 7): a still-undecoded token at AR step ``i > 1`` is kept only if its tentative
+Consistency (docs/algorithm.md section 7): a still-undecoded token at AR step ``i > 1`` is kept only if its tentative
 prediction moved toward the final image between steps ``i - 1`` and ``i``:
 ``H = cos(xhat_i, x_fin) - cos(xhat_{i-1}, x_fin) > thresh`` (cosine over channels).
 """

@@ -1,4 +1,5 @@
-r"""NOVA's generation loop (MODELS.md 3.3, ALGORITHM.md 3.3-3.4): set-based AR over the image tokens with a flow head.
+r"""NOVA's generation loop (docs/models.md section 3.3, docs/algorithm.md sections 3.3-3.4): set-based AR over the
+image tokens with a flow head.
 
 Mask schedule over ``N`` AR steps and ``L`` tokens: ``m_i = round(L cos(pi/2 i/N))`` (half to even, as numpy and
 torch round), ``counts_i = m_i - m_{i+1}``, zero counts dropped (L = 1024, N = 64: 63 steps 1, 2, 2, 3, ...).

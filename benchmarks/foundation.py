@@ -59,7 +59,7 @@ def main():
   graphdef, tx, ts = pretrain.init_state(config)
   step = pretrain.make_step_fn(graphdef, tx, config)
   batch = pretrain.make_batch(shapes.split_records("train", num_train=512), 0, config.batch_size, 0,
-                              config.model.text.max_len)
+                              config.model)
   ts, m = step(ts, batch)
   jax.block_until_ready(m)
   t0, reps = time.perf_counter(), 5

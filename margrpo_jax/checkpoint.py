@@ -21,6 +21,18 @@ class CheckpointError(ValueError):
   """A checkpoint path that is missing or unreadable, with a one-sentence message."""
 
 
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+SHIPPED = ("shapes_base", "shapes_tokenizer")  # exports shipped in the package, referred to by name
+
+
+def resolve(path: str) -> str:
+  """The folder of a shipped export named ``path`` (``'shapes_base'``, ``'shapes_tokenizer'``), else ``path`` made
+  absolute (``~`` expanded). Model configs refer to shipped exports by name, so exports carry no machine path."""
+  if path in SHIPPED:
+    return os.path.join(ASSETS, path)
+  return os.path.abspath(os.path.expanduser(path))
+
+
 def manager(directory: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, enable_async_checkpointing=async_save, create=True))
@@ -75,15 +87,32 @@ def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dty
   return directory
 
 
-def load_model(directory: str):
-  """``(model_cfg, graphdef, params)`` of an export written by :func:`save_model`, params as float32."""
+def read_model_config(directory: str, what: str = "checkpoint", family: str | None = None):
+  """The ``model.json`` of the export at ``directory`` (checked to be of ``family`` when given), or one sentence
+  naming ``what`` and the folder."""
   directory = os.path.abspath(os.path.expanduser(directory))
   cfg_path = os.path.join(directory, "model.json")
   if not os.path.isfile(cfg_path) or not os.path.isdir(os.path.join(directory, "params")):
-    raise CheckpointError(f"checkpoint {directory} does not exist or is not a model export "
+    raise CheckpointError(f"{what} {directory} does not exist or is not a model export "
                           "(expected model.json and params/ inside it).")
-  with open(cfg_path) as f:
-    model_cfg = ml_collections.ConfigDict(json.load(f))
+  try:
+    with open(cfg_path) as f:
+      model_cfg = ml_collections.ConfigDict(json.load(f))
+    model_cfg.family
+  except (ValueError, AttributeError, TypeError):
+    raise CheckpointError(f"{cfg_path} is not a model config (JSON with a 'family' key).") from None
+  if family is not None and model_cfg.family != family:
+    raise CheckpointError(f"{what} {directory} holds a {model_cfg.family!r} model, not a {family!r} one.")
+  return model_cfg
+
+
+def load_model(directory: str):
+  """``(model_cfg, graphdef, params)`` of an export written by :func:`save_model`, params as float32."""
+  directory = os.path.abspath(os.path.expanduser(directory))
+  model_cfg = read_model_config(directory)
+  check = getattr(model_class(model_cfg.family), "check_config", None)
+  if check is not None:  # e.g. a shapes-world model whose tokenizer does not make its tokens
+    check(model_cfg, f"checkpoint {directory}")
   graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(model_cfg)))
   target = abstract_like(nnx.to_pure_dict(state))
   with ocp.StandardCheckpointer() as ckptr:  # restores (and up-casts a bf16 export) into float32

@@ -24,7 +24,7 @@ from margrpo_jax.sampling import sampler as sampler_lib
 def sampler_config(cfg) -> sampler_lib.SamplerConfig:
   """``SamplerConfig`` from a config's ``sampling`` block."""
   return sampler_lib.SamplerConfig(num_steps=cfg.num_steps, cfg_scale=cfg.cfg_scale, cfg_schedule=cfg.cfg_schedule,
-                                   temperature=cfg.temperature, clip_denoised=cfg.get("clip_denoised", False))
+                                   temperature=cfg.temperature, clip_denoised=float(cfg.get("clip_denoised", 0.0)))
 
 
 def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: int, batch_size: int,

@@ -19,7 +19,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs
 # config.mode -> the module whose run(config, workdir) does the job
 JOBS = {"pretrain": "margrpo_jax.jobs.pretrain", "sample": "margrpo_jax.jobs.sample", "rl": "margrpo_jax.rl.train",
         "ablation": "margrpo_jax.jobs.ablation", "plan": "margrpo_jax.jobs.plan", "export": "margrpo_jax.jobs.export",
-        "eval": "margrpo_jax.jobs.eval"}
+        "eval": "margrpo_jax.jobs.eval", "tokenizer": "margrpo_jax.jobs.tokenizer"}
 MODES = tuple(JOBS)
 
 

@@ -55,5 +55,5 @@ def small_model():
   step = pretrain.make_step_fn(graphdef, tx, config)
   recs = shapes.split_records("train", num_train=400)
   for i in range(40):
-    ts, _ = step(ts, pretrain.make_batch(recs, i, 16, 0, config.model.text.max_len))
+    ts, _ = step(ts, pretrain.make_batch(recs, i, 16, 0, config.model))
   return config.model, graphdef, ts["params"]

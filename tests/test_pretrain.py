@@ -15,7 +15,7 @@ def test_loss_decreases_on_a_fixed_batch():
   config = smoke_config()
   config.optim.update(lr=3e-3, warmup_steps=1, decay="constant")
   graphdef, tx, ts = pretrain.init_state(config)
-  batch = pretrain.make_batch(shapes.split_records("train", num_train=64), 0, 16, 0, config.model.text.max_len)
+  batch = pretrain.make_batch(shapes.split_records("train", num_train=64), 0, 16, 0, config.model)
   # Evaluate the loss at a fixed key so that the comparison is not masked by mask / noise draws.
   loss_at = jax.jit(lambda p: pretrain.mar_loss(nnx.merge(graphdef, p), gaussian.make_diffusion(1000), config.mar,
                                                 batch, jax.random.key(7)))

@@ -112,17 +112,19 @@ def split_output(out: jax.Array) -> tuple[jax.Array, jax.Array]:
   return out[..., :c], out[..., c:]
 
 
-def mean_and_log_variance(diff: Diffusion, x_t, j, eps, v, clip_denoised: bool = False):
+def mean_and_log_variance(diff: Diffusion, x_t, j, eps, v, clip_denoised: float = 0.0):
   """q-posterior mean from ``eps`` and the learned-range log-variance at respaced step ``j``.
 
   Unclipped (MAR), the mean is ``c_x x_t - c_eps eps`` with the two stages (x0_hat, then the posterior
   mean) folded into float64 coefficients: identical maths, no float32 cancellation at high noise levels.
-  ``clip_denoised`` clips ``x0_hat`` to [-1, 1] first (ADM's option; data in [-1, 1] such as the shapes
-  world's pixels): at the noisiest step ``sqrt(1/abar) ~ 2e4`` turns small eps errors into huge means.
+  ``clip_denoised = r > 0`` clips ``x0_hat`` to [-r, r] first (ADM's option with r = 1, ``True``, for data in
+  [-1, 1] such as the shapes world's pixels; r ~ 5 for the shapes-world tokenizer's unit-variance latents): at the
+  noisiest step ``sqrt(1/abar)`` ~ 650 to 2e4 turns small eps errors into huge means.
   """
   if clip_denoised:
+    r = float(clip_denoised)
     x0 = diff.table("sqrt_recip_alphas_cumprod", j) * x_t - diff.table("sqrt_recipm1_alphas_cumprod", j) * eps
-    x0 = jnp.clip(x0, -1.0, 1.0)
+    x0 = jnp.clip(x0, -r, r)
     mean = diff.table("posterior_mean_coef1", j) * x0 + diff.table("posterior_mean_coef2", j) * x_t
   else:
     mean = diff.table("mean_coef_x", j) * x_t - diff.table("mean_coef_eps", j) * eps
@@ -137,7 +139,7 @@ def gaussian_logprob(x, mean, std):
 
 
 def step(diff: Diffusion, out: jax.Array, x_t: jax.Array, j, noise: jax.Array, temperature: float = 1.0,
-         clip_denoised: bool = False):
+         clip_denoised: float = 0.0):
   """One ancestral step ``x_j -> x_{j-1}`` given the (guided) network output.
 
   Returns ``(x_prev, mean, std, logp)`` with ``std = sigma * temperature`` (the std actually used,

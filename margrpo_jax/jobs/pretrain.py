@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import json
 import math
 import os
 import time
@@ -29,7 +30,7 @@ from flax import nnx
 from margrpo_jax import checkpoint, generate, optim, rng
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import text
+from margrpo_jax.models import text, tiny
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 
 
@@ -102,17 +103,19 @@ def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
   return new, dict(loss=loss, grad_norm=optim.global_norm(grads), param_norm=optim.global_norm(params))
 
 
-def make_batch(records: list[dict], step: int, batch_size: int, seed: int, max_len: int) -> dict:
-  """The step's batch, a pure function of ``(seed, step)``: prompts from the train split, fresh layouts."""
+def make_batch(records: list[dict], step: int, batch_size: int, seed: int, model_cfg) -> dict:
+  """The step's batch, a pure function of ``(seed, step)``: prompts from the train split, fresh layouts, rendered
+  and turned into tokens (the tokenizer's latents, or raw patches)."""
   r = np.random.default_rng([seed, step])
   mds = [records[i] for i in r.integers(len(records), size=batch_size)]
   images = shapes.render_batch(mds, r)
-  return dict(ids=text.tokenize([m["prompt"] for m in mds], max_len), tokens=shapes.patchify(images))
+  return dict(ids=text.tokenize([m["prompt"] for m in mds], model_cfg.text.max_len),
+              tokens=tiny.TinyMAR.encode_images(model_cfg, images))
 
 
 def evaluate(graphdef, params, config, records: list[dict], num: int) -> tuple[dict, np.ndarray]:
-  """Sample and verify ``num`` eval records, evenly strided so every task is represented."""
-  recs = records[::max(1, len(records) // num)][:num]
+  """Sample and verify ``num`` eval records (all of them, or tasks in turn over distinct prompts)."""
+  recs = records if num >= len(records) else shapes.stratified_subset(records, num)
   images = generate.generate(graphdef, params, config.model, [r["prompt"] for r in recs], config.sampling,
                              seed=config.eval.seed, batch_size=config.eval.batch_size)
   return generate.score(images, recs), images
@@ -120,6 +123,7 @@ def evaluate(graphdef, params, config, records: list[dict], num: int) -> tuple[d
 
 def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   """Train (or resume) in ``workdir``; returns the final state. ``max_steps_this_run`` simulates a kill."""
+  tiny.check_tokenizer(config.model, "config.model")  # a tokenizer that does not fit the model: one sentence
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json(indent=2, sort_keys=True))
@@ -141,10 +145,10 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   batch_sh = dict(ids=sharding.batch_sharding(mesh, 2), tokens=sharding.batch_sharding(mesh, 3))
 
   def batch_fn(step):  # this host's rows of the step's batch, placed as a global array
-    full = make_batch(train_recs, step, config.batch_size, config.seed, config.model.text.max_len)
+    full = make_batch(train_recs, step, config.batch_size, config.seed, config.model)
     return sharding.to_global({k: v[sharding.host_rows(config.batch_size)] for k, v in full.items()}, batch_sh)
   progress = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
-  t0, t_last = time.time(), time.time()
+  t0, t_last, m_last = time.time(), time.time(), {}
   with concurrent.futures.ThreadPoolExecutor(1) as pool, metric_writers.ensure_flushes(writer):
     nxt = pool.submit(batch_fn, start) if start < end else None
     for step in range(start, end):
@@ -159,6 +163,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
           raise FloatingPointError(f"pretraining loss became {m['loss']} at step {done}; the last checkpoint "
                                    f"in {mngr.directory} is intact.")
         m["steps_per_sec"] = config.log_every / max(time.time() - t_last, 1e-9)
+        m_last = m
         t_last = time.time()
         writer.write_scalars(done, m)
         logging.info("step %d/%d loss %.4f grad_norm %.3f (%.1f min)", done, config.num_steps, m["loss"],
@@ -173,8 +178,47 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         writer.write_images(done, {"eval/samples": generate.image_grid(images[:64], scale=2)[None]})
         logging.info("step %d eval on %d prompts: strict %.3f partial %.3f %s", done, num, res["strict_pass"],
                      res["partial"], res["per_task"])
+        _append_history(workdir, dict(step=done, loss=m_last.get("loss"), num_prompts=num,
+                                      strict_pass=res["strict_pass"], partial=res["partial"],
+                                      per_task=res["per_task"]))
   mngr.wait_until_finished()
   if end == config.num_steps:
     out = checkpoint.save_model(os.path.join(workdir, "export"), train_state["ema"], config.model)
     logging.info("exported EMA params to %s (%.1f min in total)", out, (time.time() - t0) / 60)
+    _plot_history(workdir)
   return train_state
+
+
+def _append_history(workdir: str, row: dict) -> None:
+  """One eval row per line in ``W/eval_history.jsonl`` (a resumed run drops the rows past its restart)."""
+  path = os.path.join(workdir, "eval_history.jsonl")
+  rows = []
+  if os.path.exists(path):
+    with open(path) as f:
+      rows = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] < row["step"]]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows + [row])
+  os.replace(tmp, path)
+
+
+def _plot_history(workdir: str) -> None:
+  """``W/eval_curves.png``: strict pass per task and overall vs step, from ``W/eval_history.jsonl``."""
+  path = os.path.join(workdir, "eval_history.jsonl")
+  if not os.path.exists(path):
+    return
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  fig, ax = plt.subplots(figsize=(5.5, 3.4))
+  steps = [r["step"] for r in rows]
+  ax.plot(steps, [r["strict_pass"] for r in rows], "k-o", label="all tasks", lw=2)
+  for t in shapes.TASKS:
+    ax.plot(steps, [r["per_task"].get(t, np.nan) for r in rows], "--", label=t)
+  ax.set(xlabel="pretraining step", ylabel="strict pass (EMA, eval split)", ylim=(0, 1))
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, "eval_curves.png"), dpi=120)
+  plt.close(fig)

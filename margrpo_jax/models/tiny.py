@@ -1,7 +1,9 @@
 """The shapes-world text-to-image MAR: text encoder -> MAR backbone -> SimpleMLPAdaLN diffusion head.
 
-Tokens are the 4x4 RGB patches of a 32x32 image (64 tokens x 48 values, no VAE). Widths and depths come
-from the model config, so the same classes build MAR-B/L/H-shaped backbones.
+Tokens are either the latents of the shapes-world tokenizer (``model.vae_checkpoint``: a KL autoencoder export,
+32 x 32 x 3 -> 4 x 4 x 8, so 16 tokens of 8 values; MAR's own design with KL-16) or, with no tokenizer, the raw
+4 x 4 RGB patches of the image (64 tokens of 48 values). Widths and depths come from the model config, so the same
+classes build MAR-B/L/H-shaped backbones.
 """
 from __future__ import annotations
 
@@ -10,22 +12,44 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from margrpo_jax import checkpoint
 from margrpo_jax.data import shapes
 from margrpo_jax.models import text
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.mar import MARBackbone
 
 
-def tiny_config() -> ml_collections.ConfigDict:
-  """Default architecture of the shipped shapes-world model."""
+def tiny_config(vae_checkpoint: str = "") -> ml_collections.ConfigDict:
+  """Architecture of the shapes-world model: on the latents of ``vae_checkpoint`` (a shipped asset name such as
+  ``'shapes_tokenizer'`` or a VAE export folder), or on raw patches when it is empty."""
+  seq_len, token_dim = (shapes.NUM_TOKENS, shapes.TOKEN_DIM) if not vae_checkpoint else token_layout(vae_checkpoint)
   return ml_collections.ConfigDict(dict(
-      family="tiny",
-      seq_len=64, token_dim=48,
+      family="tiny", vae_checkpoint=vae_checkpoint,
+      seq_len=seq_len, token_dim=token_dim,
       text=dict(max_len=12, width=128, depth=2, num_heads=4),
       backbone=dict(width=128, encoder_depth=3, decoder_depth=3, num_heads=4, mlp_ratio=4.0, pos_init="sincos"),
       head=dict(width=128, depth=3),
       diffusion=dict(num_train_steps=1000, sampling_steps="25"),
   ))
+
+
+def token_layout(vae_checkpoint: str) -> tuple[int, int]:
+  """``(seq_len, token_dim)`` of the tokens the tokenizer export ``vae_checkpoint`` makes from a 32 x 32 image."""
+  cfg = checkpoint.read_model_config(checkpoint.resolve(vae_checkpoint), "model.vae_checkpoint", family="vae")
+  grid = shapes.IMAGE_SIZE // 2 ** (len(cfg.ch_mult) - 1)
+  return grid * grid, int(cfg.embed_dim)
+
+
+def check_tokenizer(model_cfg: ml_collections.ConfigDict, what: str = "model") -> None:
+  """Raise :class:`checkpoint.CheckpointError` in one sentence when ``model_cfg``'s token layout is not the one its
+  tokenizer (or the raw patches) produces."""
+  path = model_cfg.get("vae_checkpoint", "")
+  want = token_layout(path) if path else (shapes.NUM_TOKENS, shapes.TOKEN_DIM)
+  got = (model_cfg.seq_len, model_cfg.token_dim)
+  if got != want:
+    src = f"the tokenizer {path!r}" if path else "raw 4 x 4 patches (no vae_checkpoint)"
+    raise checkpoint.CheckpointError(f"{what}: seq_len={got[0]}, token_dim={got[1]} do not match {src}, which "
+                                     f"makes {want[0]} tokens of {want[1]} values.")
 
 
 class TinyMAR(nnx.Module):
@@ -48,6 +72,8 @@ class TinyMAR(nnx.Module):
   def null_condition(self, batch: int) -> jax.Array:
     return self.text_encoder.null(batch)
 
+  check_config = staticmethod(check_tokenizer)
+
   def tokenize(self, prompts):
     return text.tokenize(prompts, self.text_encoder.max_len)
 
@@ -58,6 +84,18 @@ class TinyMAR(nnx.Module):
 
   @staticmethod
   def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:
-    """Token canvases (N, 64, 48) -> (N, 32, 32, 3) uint8 images (the 4 x 4 patches put back in place)."""
+    """Token canvases (N, L, C) -> (N, 32, 32, 3) uint8 images: through the tokenizer's decoder, or the 4 x 4
+    patches put back in place."""
+    if model_cfg.get("vae_checkpoint"):
+      from margrpo_jax.models import vae
+      return vae.decode_tokens(checkpoint.resolve(model_cfg.vae_checkpoint), tokens)
     return np.asarray(shapes.unpatchify(tokens))
+
+  @staticmethod
+  def encode_images(model_cfg: ml_collections.ConfigDict, images: np.ndarray) -> np.ndarray:
+    """uint8 images (N, 32, 32, 3) -> token canvases (N, L, C) (tokenizer mode latents, or raw patches)."""
+    if model_cfg.get("vae_checkpoint"):
+      from margrpo_jax.models import vae
+      return vae.encode_tokens(checkpoint.resolve(model_cfg.vae_checkpoint), images)
+    return np.asarray(shapes.patchify(images))
 

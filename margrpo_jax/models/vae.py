@@ -1,5 +1,5 @@
-"""KL autoencoders in Flax NNX: MAR's KL-16 (LDM layout, MODELS.md 1.5) and the SD / SDXL VAE (diffusers
-``AutoencoderKL`` layout, MODELS.md 3.5). Both layouts are the same network; only the key names differ, so one
+"""KL autoencoders in Flax NNX: MAR's KL-16 (LDM layout, docs/models.md 1.5) and the SD / SDXL VAE (diffusers
+``AutoencoderKL`` layout, docs/models.md 3.5). Both layouts are the same network; only the key names differ, so one
 module serves both and the converters (``convert/kl16.py``, ``convert/sdvae.py``) map the names.
 
 Images are NHWC in [-1, 1]. With ``n = len(ch_mult)`` levels of ``ch * ch_mult[i]`` channels:
@@ -38,7 +38,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-# kind -> architecture (MODELS.md 1.5, 3.5)
+# kind -> architecture (docs/models.md sections 1.5, 3.5; 'shapes': docs/tokenizer.md)
 KINDS = {
     "kl16": dict(layout="ldm", ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, enc_attn_levels=(4,),
                  dec_attn_levels=(), z_channels=16, embed_dim=16, scale=0.2325, shift=0.0),
@@ -46,6 +46,9 @@ KINDS = {
                dec_attn_levels=(), z_channels=4, embed_dim=4, scale=0.18215, shift=0.0),
     "sdxl": dict(layout="diffusers", ch=128, ch_mult=(1, 2, 4, 4), num_res_blocks=2, enc_attn_levels=(),
                  dec_attn_levels=(), z_channels=4, embed_dim=4, scale=0.13025, shift=0.0),
+    # the shapes-world tokenizer (trained by configs/shapes_tokenizer.py): 32 x 32 -> 4 x 4 x 8, ~0.4 M params
+    "shapes": dict(layout="diffusers", ch=16, ch_mult=(1, 2, 4, 4), num_res_blocks=1, enc_attn_levels=(),
+                   dec_attn_levels=(), z_channels=8, embed_dim=8, scale=1.0, shift=0.0, norm_groups=8),
 }
 
 
@@ -53,7 +56,8 @@ def vae_config(kind: str = "kl16", **overrides) -> ml_collections.ConfigDict:
   """The architecture of ``kind`` (``kl16`` | ``sd`` | ``sdxl``), with ``overrides`` (e.g. tiny test widths)."""
   if kind not in KINDS:
     raise ValueError(f"VAE kind {kind!r} is not one of {', '.join(KINDS)}")
-  c = dict(family="vae", kind=kind, in_channels=3, out_channels=3, norm_groups=32, **KINDS[kind])
+  c = dict(family="vae", kind=kind, in_channels=3, out_channels=3, norm_groups=32)
+  c.update(KINDS[kind])
   c.update(overrides)
   return ml_collections.ConfigDict(c)
 
@@ -187,7 +191,11 @@ class AutoencoderKL(nnx.Module):
     """Scaled latents (B, h, w, embed_dim) -> images (B, h * stride, w * stride, 3), roughly in [-1, 1]."""
     b, h, w, _ = latents.shape
     chex.assert_shape(latents, (b, h, w, self.embed_dim))
-    return self.decoder(self.post_quant_conv(latents / self.scale + self.shift))
+    return self.decode_unscaled(latents / self.scale + self.shift)
+
+  def decode_unscaled(self, z: jax.Array) -> jax.Array:
+    """Unscaled latents (a posterior sample or mode) -> images."""
+    return self.decoder(self.post_quant_conv(z))
 
 
 def to_uint8(images) -> np.ndarray:
@@ -205,6 +213,12 @@ def _load(path: str):
                                      "(convert one with --family=kl16 or --family=sdvae).")
   decode = jax.jit(lambda p, z: nnx.merge(graphdef, p).decode(z))
   return cfg, graphdef, params, decode
+
+
+@functools.lru_cache(maxsize=4)
+def _encoder(path: str):
+  _, graphdef, params, _ = _load(path)
+  return params, jax.jit(lambda p, x: nnx.merge(graphdef, p).encode(x))
 
 
 def load(path: str | None, what: str = "model.vae_checkpoint"):
@@ -240,3 +254,12 @@ def decode_tokens(path: str | None, tokens: np.ndarray, what: str = "model.vae_c
   """A MAR token canvas (N, L, C * p * p) of scaled latents -> (N, H, W, 3) uint8 (the family hook's body)."""
   cfg = load(path, what)[0]
   return decode_latents(path, unpatchify_latents(np.asarray(tokens, np.float32), cfg.embed_dim), what)
+
+
+def encode_tokens(path: str | None, images: np.ndarray, what: str = "model.vae_checkpoint") -> np.ndarray:
+  """uint8 images (N, H, W, 3) -> a token canvas (N, h * w, embed_dim) of scaled latents (posterior modes, raster
+  order; one latent pixel per token)."""
+  load(path, what)
+  params, encode = _encoder(os.path.abspath(os.path.expanduser(path)))
+  z = np.asarray(encode(params, jnp.asarray(images, jnp.float32) / 127.5 - 1.0))
+  return z.reshape(z.shape[0], -1, z.shape[-1])

@@ -37,7 +37,7 @@ class SamplerConfig:
   cfg_schedule: str = "linear"   # 'linear' | 'constant'
   temperature: float = 1.0       # tau, scales the per-step diffusion noise
   guidance: bool | None = None   # run the [cond; uncond] branches; None: only when some step has w != 1
-  clip_denoised: bool = False    # clip x0_hat to [-1, 1] in each step (off in MAR; on for the shapes world)
+  clip_denoised: float = 0.0     # r > 0: clip x0_hat to [-r, r] in each step (off in MAR; True = 1 for pixels)
   order_group: int = 1           # rows [g i, g (i + 1)) share one generation order (RL: a GRPO group, so the
                                  # group baseline is not spent on order luck the policy does not control)
   vary_steps: int = 0            # with order_group g > 1: the rows of a group also share every diffusion noise
@@ -108,7 +108,7 @@ def group_normal(key, shape, dtype, group: int = 1, shared=False):
   return jnp.where(shared, jnp.repeat(one, group, axis=0), own)
 
 
-def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key, clip_denoised=False,
+def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key, clip_denoised=0.0,
               group: int = 1, shared=False):
   """The full ancestral chain from ``x_init`` (B, ..., C); returns ``(x_0, xs (T+1,...), std, logp)``. With
   ``group > 1`` and ``shared``, each block of ``group`` rows draws one step noise (:func:`group_normal`)."""
@@ -187,7 +187,7 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
 
 
 def transition_logp(model, diff: gaussian.Diffusion, x_t, x_prev, j, z_c, z_u=None, scale=None,
-                    temperature: float = 1.0, clip_denoised: bool = False):
+                    temperature: float = 1.0, clip_denoised: float = 0.0):
   """Score transitions ``x_t -> x_prev`` at respaced steps ``j`` under the head's Gaussian given ``z``.
 
   Shapes: ``x_t, x_prev`` (N, ..., C), ``j`` (N, ...), ``z_c / z_u`` (N, ..., D); guided when ``z_u`` is

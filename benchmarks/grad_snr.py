@@ -32,7 +32,8 @@ from flax import nnx  # noqa: E402
 from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.rewards import registry  # noqa: E402
-from margrpo_jax.rl import advantages, loss as loss_lib, train  # noqa: E402
+from margrpo_jax.jobs import rl as rl_job  # noqa: E402
+from margrpo_jax.rl import advantages, loss as loss_lib, step as step_lib  # noqa: E402
 from margrpo_jax.sampling.sampler import Record  # noqa: E402
 
 K_AXIS = dict(j=1, x_t=1, x_prev=1, old_logp=1, ref_mean=1, ref_std=1, mte_x_t=2, mte_x_prev=2, mte_old_logp=2)
@@ -69,18 +70,19 @@ def main():
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
   for a in args.set:
     config_files.override(config, a)
-  s = train.setup(config)
+  s = rl_job.setup(config)
   t0 = time.time()
-  ro = train.rollout(config, s, s.policy, shapes.split_records("train", num_train=2000), 0)
+  ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=2000), 0)
   n_img, g = args.prompts * args.group_size, args.group_size
   adv = np.asarray(advantages.group_advantages(ro["reward"], g, config.rl.advantage))
   print(f"rollout: {n_img} images in {time.time() - t0:.0f} s, mean {args.reward} {float(np.mean(ro['reward'])):.3f}"
         f" ({args.variant}, {' '.join(args.set) or 'defaults'})")
-  scfg, bcfg, lcfg, _ = s.static
+  sc = s.static
+  bcfg, lcfg = sc.batch, sc.loss
   all_steps = dataclasses.replace(bcfg, diffusion_window=(0, None), num_diffusion_steps=0)
 
   def builder(b):
-    return jax.jit(functools.partial(train.build_batch, s.graphdef, s.diff, scfg, b, lcfg))
+    return jax.jit(functools.partial(step_lib.build_batch, s.graphdef, s.diff, dataclasses.replace(sc, batch=b)))
 
   @jax.jit
   def grad(policy, batch):

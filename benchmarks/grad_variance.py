@@ -23,7 +23,8 @@ from flax import nnx
 
 from margrpo_jax import config_files
 from margrpo_jax.data import shapes
-from margrpo_jax.rl import advantages, loss as loss_lib, train
+from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.rl import advantages, loss as loss_lib, step as step_lib
 
 
 def trace_variance(grads: np.ndarray) -> float:
@@ -42,13 +43,14 @@ def main():
   config.checkpoint = args.checkpoint
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts, mte_seeds=args.pool, num_ar_steps=2,
                    consistency=False, beta=0.0)
-  s = train.setup(config)
-  scfg, bcfg, lcfg, _ = s.static
-  ro = train.rollout(config, s, s.policy, shapes.split_records("train", num_train=512), 0)
+  s = rl_job.setup(config)
+  sc = s.static
+  lcfg = sc.loss
+  ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=512), 0)
   adv = advantages.group_advantages(ro["reward"], args.group_size, "grpo")
   if not np.any(np.asarray(adv)):
     adv = jnp.asarray(np.random.default_rng(0).standard_normal(adv.shape), jnp.float32)  # flat rewards: any signal
-  build = jax.jit(functools.partial(train.build_batch, s.graphdef, s.diff, scfg, bcfg, lcfg))
+  build = jax.jit(functools.partial(step_lib.build_batch, s.graphdef, s.diff, sc))
   batch, _ = build(s.policy, s.frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], jax.random.key(3))
   batch = batch.replace(keep=batch.uncertain & batch.region)  # the policy term on the selected tokens only
 

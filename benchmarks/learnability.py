@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.jobs import learnability as L  # noqa: E402
-from margrpo_jax.rl import train  # noqa: E402
+from margrpo_jax.jobs import rl as rl_job  # noqa: E402
 
 DEFAULT_SETTINGS = ("sampling.num_steps=8", "rl.prompts_per_iter=4", "rl.group_size=4", "optim.lr=0.0003",
                     "eval.batch_size=32")
@@ -56,7 +56,7 @@ def main():
         c = L.rl_config(variant, reward, args.iters, dict(seed=seed))
         for a in DEFAULT_SETTINGS + tuple(args.set):
           config_files.override(c, a)
-        s = train.setup(c)
+        s = rl_job.setup(c)
         before = L.eval_rewards(c, s, s.policy, eval_recs, reward) if before is None else before
         t1 = time.time()
         row = L.run_one(c, train_recs, eval_recs, reward, before, s)

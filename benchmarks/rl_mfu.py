@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from margrpo_jax import checkpoint, config_files, rng
-from margrpo_jax.rl import train
+from margrpo_jax.jobs import rl as rl_job
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
                "TPU v5p": 459.0, "TPU v6 lite": 918.0}
@@ -56,7 +56,7 @@ def main():
   c.rl.update(group_size=a.group_size, prompts_per_iter=a.prompts, num_ar_steps=a.scored_ar_steps,
               num_diffusion_steps=a.scored_diffusion_steps, mte_seeds=a.mte_seeds)
   graphdef, state = nnx.split(checkpoint.build_model(c.model, seed=0))
-  s = train.setup(c, (c.model, graphdef, nnx.to_pure_dict(state)))
+  s = rl_job.setup(c, (c.model, graphdef, nnx.to_pure_dict(state)))
   del state
   batch = a.group_size * a.prompts
   labels = jnp.asarray(np.random.default_rng(0).integers(1000, size=batch), jnp.int32)

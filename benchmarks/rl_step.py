@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from margrpo_jax import config_files
 from margrpo_jax.data import shapes
-from margrpo_jax.rl import advantages, train
+from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.rl import advantages, step as step_lib
 
 def footprint(compiled) -> int:
   m = compiled.memory_analysis()
@@ -62,20 +63,20 @@ def main():
     config.checkpoint = args.checkpoint
     config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts, num_ar_steps=args.ar_steps,
                      num_diffusion_steps=args.diffusion_steps)
-    s = train.setup(config)
-    scfg, bcfg, lcfg, sequential = s.static
+    s = rl_job.setup(config)
+    sc = s.static
+    bcfg = sc.batch
     if ro is None:  # one recorded rollout, shared by both variants
-      ro = train.rollout(config, s, s.policy, recs, 0)
+      ro = rl_job.rollout(config, s, s.policy, recs, 0)
       ids = ro["ids"]
       rollout_s = timed(s.rollout_fn, lambda: ({**s.frozen, **s.policy}, ids, jax.random.key(1)), args.repeats)
       out["rollout_images_per_s"] = round(len(ids) / rollout_s, 2)
       adv = advantages.group_advantages(ro["reward"], args.group_size, "drgrpo") + 0.1  # any non-zero advantages
     key = jax.random.key(2)
-    build = jax.jit(functools.partial(train.build_batch, s.graphdef, s.diff, scfg, bcfg, lcfg))
+    build = jax.jit(functools.partial(step_lib.build_batch, s.graphdef, s.diff, sc))
     build_args = lambda: (s.policy, s.frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], key)
     batch, _ = build(*build_args())
-    update = jax.jit(functools.partial(train.update, s.graphdef, s.tx, s.diff, lcfg, sequential, config.rl.num_inner),
-                     donate_argnums=0)
+    update = jax.jit(functools.partial(step_lib.update, s.graphdef, s.tx, s.diff, sc), donate_argnums=0)
     update_args = lambda: (jax.tree.map(jnp.copy, s.init_state()), s.frozen, batch)
     res = dict(
         trainable=sorted(s.policy), mte_seeds=bcfg.mte_seeds, topk_fraction=bcfg.topk_fraction,

@@ -16,10 +16,11 @@ Estimator fixes on by default (each a switch; ``rl.fidelity='official'`` restore
 ``rl.diffusion_window`` (no saturated first / near-deterministic last steps), ``rl.mte_actual='keep'`` (a decoded
 token keeps its own chain inside U), ``rl.topk_scope='region'``, ``rl.selection_chains='independent'``,
 ``rl.sigma_grad`` (sigma treated alike in the log-prob and the KL).
-``rl.fidelity='official'`` reproduces the official code's behaviour (ALGORITHM.md section 14) in one switch.
+``rl.fidelity='official'`` reproduces the official code's behaviour (docs/algorithm.md section 14; deviation ids such as B1, A2 as in its section 13) in one switch.
 """
 import ml_collections
 
+from margrpo_jax import config_files
 from margrpo_jax.parallel import mesh
 from margrpo_jax.rewards import registry
 
@@ -42,8 +43,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_iters = 40
   c.parallel = mesh.config()  # device mesh, sharding rules, multi-host (margrpo_jax/parallel/mesh.py)
   c.export = dict(dtype="float32", dir="")  # mode=export: params-only checkpoint ('bfloat16' halves it)
-  c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
-                    clip_denoised=True)
+  # Rollouts and eval sample exactly as the sample job does (configs/shapes_sample.py), so the gain measured here
+  # is the one the sample job sees.
+  c.sampling = config_files.load("shapes_sample").sampling
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
       # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
@@ -74,7 +76,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       selection_chains="independent",  # U and consistency from chains of their own [official: 'scored']
       sigma_grad=True,            # sigma(z) differentiable in log-prob and KL alike [official: False, detached]
       sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
-      num_inner=1,
+      num_inner=1,                # passes over each rollout's batch (PPO epochs; the ratio is 1 only in the first)
+      num_minibatches=1,          # optimizer steps per pass, each on consecutive blocks of the iteration's images
       remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
       debug_nan_iter=-1,          # test hook: inject a NaN reward at this iteration
   )

@@ -22,7 +22,8 @@ from margrpo_jax import config_files, rng  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.jobs import pretrain  # noqa: E402
 from margrpo_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
-from margrpo_jax.rl import advantages, train  # noqa: E402
+from margrpo_jax.jobs import rl as rl_job  # noqa: E402
+from margrpo_jax.rl import advantages, step as step_lib  # noqa: E402
 
 MESHES = {"8x1": dict(data=8, fsdp=1, tensor=1), "2x4": dict(data=2, fsdp=4, tensor=1),
           "1x8": dict(data=1, fsdp=8, tensor=1), "2x2x2": dict(data=2, fsdp=2, tensor=2)}
@@ -40,7 +41,7 @@ def host(tree):
 def pretrain_checks(config, recs, out):
   """One pretraining step (fixed batch and key) on each mesh against the plain single-device step."""
   graphdef, tx, state = pretrain.init_state(config)
-  batch = pretrain.make_batch(recs, 0, 16, 0, config.model.text.max_len)
+  batch = pretrain.make_batch(recs, 0, 16, 0, config.model)
   ref_state, ref_m = pretrain.make_step_fn(graphdef, tx, config)(jax.tree.map(jnp.copy, state), batch)
   ref_state = host(ref_state)
   for name, shape in MESHES.items():
@@ -71,15 +72,15 @@ def rl_checks(params, model_cfg, graphdef, out):
     if devices:  # the single-device reference: a 1-device mesh
       orig = mesh_lib.make_mesh
       mesh_lib.make_mesh = lambda cfg, devices=devices: orig(cfg, devices)
-    s = train.setup(c, (model_cfg, graphdef, params))
+    s = rl_job.setup(c, (model_cfg, graphdef, params))
     if devices:
       mesh_lib.make_mesh = orig
     if name == "1":
-      ro = train.rollout(c, s, s.policy, recs, 0)
+      ro = rl_job.rollout(c, s, s.policy, recs, 0)
       adv = np.asarray(advantages.group_advantages(ro["reward"], c.rl.group_size, c.rl.advantage))
       inputs = host(dict(ids=ro["ids"], rec=ro["rec"], final=ro["final"]))
     put = lambda x, sh: jax.device_put(x, sh)
-    ins = train.step_shardings(s.mesh, sharding.hashable_rules(c.parallel.rules), s.tx, s.policy, s.frozen)
+    ins = step_lib.step_shardings(s.mesh, sharding.hashable_rules(c.parallel.rules), s.tx, s.policy, s.frozen)
     sh = ins["in_shardings"]
     frozen_before, ref_before = host(s.frozen), host(s.ref)
     state, m = s.step_fn(s.init_state(), s.frozen, s.ref, put(inputs["ids"], sh[3]), put(adv, sh[4]),
@@ -137,7 +138,7 @@ def main():
   graphdef, tx, st = pretrain.init_state(config)
   step = pretrain.make_step_fn(graphdef, tx, config)
   for i in range(30):
-    st, _ = step(st, pretrain.make_batch(recs, i, 16, 0, config.model.text.max_len))
+    st, _ = step(st, pretrain.make_batch(recs, i, 16, 0, config.model))
   params = host(st["params"])
   rl_checks(params, config.model, graphdef, out)
   restore_checks(params, out)

@@ -79,7 +79,7 @@ def test_missing_config_file(tmp_path):
     (["--config.rl.kl=gausian"], "rl.kl='gausian' is not one of"),
     (["--config.rl.group_size=1"], "rl.group_size=1 must be >= 2"),
     (["--config.rl.topk_fraction=1.5"], "rl.topk_fraction=1.5"),
-    (["--config.rl.num_ar_steps=40"], "exceeds the sampler's sampling.num_steps=16"),
+    (["--config.rl.num_ar_steps=40"], "rl.num_ar_steps=40 must lie in [0, sampling.num_steps="),
 ])
 def test_bad_rl_options_are_one_sentence_before_anything_is_written(tmp_path, args, needle):
   r = _main("--config=configs/shapes_rl.py", f"--workdir={tmp_path / 'w'}", *args)

@@ -6,7 +6,7 @@ import numpy as np
 
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import learnability
-from margrpo_jax.rl import train
+from margrpo_jax.jobs import rl as rl_job
 
 SETTINGS = dict(optim=dict(lr=3e-4), rl=dict(prompts_per_iter=4, group_size=4), sampling=dict(num_steps=8),
                 eval=dict(batch_size=32))
@@ -16,7 +16,7 @@ def test_focused_rl_raises_brightness_above_the_shuffled_control():
   config = learnability.rl_config("focused", "brightness", iters=8, overrides=SETTINGS)
   train_recs = shapes.split_records("train", num_train=2000)
   eval_recs = shapes.split_records("eval")[::16]  # 32 prompts, 8 per task
-  s = train.setup(config)
+  s = rl_job.setup(config)
   before = learnability.eval_rewards(config, s, s.policy, eval_recs, "brightness")
   real = learnability.run_one(config, train_recs, eval_recs, "brightness", before, s)
   config.rl.shuffle_advantages = True

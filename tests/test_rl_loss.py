@@ -132,19 +132,20 @@ def test_commit_time_mte_guided_uses_the_recorded_uncond_latents(rollout):
 
 
 def test_decoded_tokens_and_window_switches(rollout):
-  """``loss_tokens='decoded'``: the loss region is exactly the tokens committed at each selected step;
-  ``diffusion_window=(0, 3)``: scored diffusion steps come from the first three list positions (largest j)."""
+  """``loss_tokens='decoded'``: the scored positions are exactly the tokens committed at each selected step, with
+  their recorded chains; ``diffusion_window=(0, 3)``: scored diffusion steps come from the first three list
+  positions (largest j)."""
   graphdef, params, build = rollout
   bcfg = batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=2, mte_seeds=0, loss_tokens="decoded",
                                diffusion_window=(0, 3))
   batch, info = build(bcfg, params)
   _, _, rec = _rollout_record(graphdef, params)
   for m, i in enumerate(np.asarray(info["steps"])):
-    decoded = np.zeros(np.asarray(batch.region).shape[1:], bool)
-    pos, valid = np.asarray(rec.positions[i]), np.asarray(rec.valid[i])
-    for b in range(decoded.shape[0]):
-      decoded[b, pos[b][valid[b]]] = True
-    np.testing.assert_array_equal(np.asarray(batch.region[m]), decoded)
+    np.testing.assert_array_equal(np.asarray(batch.positions[m]), np.asarray(rec.positions[i]))
+    np.testing.assert_array_equal(np.asarray(batch.region[m]), np.asarray(rec.valid[i]))
+    np.testing.assert_array_equal(np.asarray(batch.decoded[m]), np.asarray(rec.valid[i]))
+    n = DIFF.num_steps - 1 - np.asarray(batch.j[m])  # list positions of the scored steps
+    np.testing.assert_array_equal(np.asarray(batch.x_t[m]), np.asarray(rec.xs[i])[n])
   assert (np.asarray(batch.j) >= DIFF.num_steps - 3).all()  # the 3 noisiest of 10 steps (j = 9, 8, 7)
   loss, m = _loss(graphdef, params, batch)
   assert np.isfinite(float(loss)) and float(m["logp_diff"]) < 1e-3

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from margrpo_jax import checkpoint, config_files
-from margrpo_jax.rl import train
+from margrpo_jax.data import shapes
+from margrpo_jax.jobs import rl as rl_job
 
 
 def _config(base, **rl):
@@ -34,9 +35,9 @@ def test_rl_updates_backbone_only_resumes_and_writes_the_report(tmp_path, base):
   base_dir, params = base
   config = _config(base_dir)
   config.tfds_dir = str(tmp_path / "tfds")
-  state = train.run(config, str(tmp_path / "w"))
-  train.run(config, str(tmp_path / "killed"), max_iters_this_run=1)  # "killed" after its first checkpoint
-  assert _same(train.run(config, str(tmp_path / "killed")), state)  # the same command resumes, same result
+  state = rl_job.run(config, str(tmp_path / "w"))
+  rl_job.run(config, str(tmp_path / "killed"), max_iters_this_run=1)  # "killed" after its first checkpoint
+  assert _same(rl_job.run(config, str(tmp_path / "killed")), state)  # the same command resumes, same result
   assert int(state["step"]) == config.num_iters
   assert set(state["policy"]) == {"text_encoder", "backbone"}
   assert not _same(state["policy"]["backbone"], params["backbone"])
@@ -57,7 +58,7 @@ def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base):
   base_dir, _ = base
   config = _config(base_dir)
   config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
-  state = train.run(config, str(tmp_path / "w"))
+  state = rl_job.run(config, str(tmp_path / "w"))
   config.export.update(dtype="bfloat16", dir=str(tmp_path / "bf16"))
   out = export.run(config, str(tmp_path / "w"))
   _, _, got = checkpoint.load_model(out)  # up-cast to float32 on load
@@ -72,7 +73,7 @@ def test_nan_reward_skips_the_step(tmp_path, base):
   base_dir, params = base
   config = _config(base_dir, debug_nan_iter=0)
   config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
-  state = train.run(config, str(tmp_path / "w"))
+  state = rl_job.run(config, str(tmp_path / "w"))
   assert _same(state["policy"], {k: params[k] for k in ("text_encoder", "backbone")})
 
 
@@ -94,12 +95,38 @@ def test_real_family_rl_needs_a_checkpoint_and_a_gaussian_head():
   """A real-size RL config without ``checkpoint`` is one sentence (not the shipped shapes model); NOVA's flow-head
   RL is refused in one sentence before anything is loaded."""
   from margrpo_jax import checkpoint, config_files
-  from margrpo_jax.rl import train
+  from margrpo_jax.jobs import rl as rl_job
   c = config_files.load("mar", "base")
   c.mode = "rl"
   with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint is not set"):
-    train.setup(c)
+    rl_job.setup(c)
   c = config_files.load("nova", "sd512")
   c.checkpoint = "/nonexistent/nova_export"
   with pytest.raises(checkpoint.CheckpointError, match="not implemented yet"):
-    train.setup(c)
+    rl_job.setup(c)
+
+
+def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, base):
+  """``rl.fidelity=official`` is resolved before anything runs: ``config.json`` holds the official switch values
+  the run used (no hidden override), and the step config is built from them."""
+  config = _config(base[0], fidelity="official")
+  config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
+  rl_job.run(config, str(tmp_path / "w"))
+  recorded = json.loads((tmp_path / "w" / "config.json").read_text())["rl"]
+  assert {k: recorded[k] for k in rl_job.OFFICIAL} == rl_job.OFFICIAL
+  sc = rl_job.configs_from(config)
+  assert sc.sequential and sc.loss.clip_eps == 0.0 and sc.loss.ratio == "none" and sc.batch.diffusion_window == (0, None)
+
+
+def test_minibatches_and_epochs_take_that_many_optimizer_steps(base):
+  """``num_inner`` x ``num_minibatches`` optimizer steps per iteration on consecutive row blocks; the Adam step
+  counter says how many were taken."""
+  config = _config(base[0], num_inner=2, num_minibatches=2, loss_tokens="decoded", mte_seeds=0, consistency=False,
+                   num_ar_steps=0)
+  s = rl_job.setup(config)
+  assert s.static.batch.num_ar_steps == config.sampling.num_steps  # 0 = every AR step
+  state, m, _ = rl_job.iteration(config, s, s.init_state(), shapes.split_records("train", num_train=64), 0)
+  counts = [int(x) for x in jax.tree.leaves(state["opt"]) if getattr(x, "shape", None) == () and
+            np.issubdtype(np.asarray(x).dtype, np.integer)]
+  assert counts and max(counts) == 4, counts
+  assert np.isfinite(m["loss"]) and not _same(state["policy"], s.policy)

@@ -293,7 +293,7 @@ def sample_metadata(rng: np.random.Generator, task: str | None = None, pool=None
 
 
 def shape_mask(shape: str, s: int) -> np.ndarray:
-  """Boolean (s, s) mask of a shape drawn in an s x s box (spec pixel rules)."""
+  """Boolean (s, s) mask of a shape drawn in an s x s box (pixel rules of docs/shapes_world.md)."""
   i, j = np.mgrid[0:s, 0:s].astype(np.float64)
   if shape == "square":
     return np.ones((s, s), bool)
@@ -350,7 +350,7 @@ def _relation_ok(rel, ay, ax, sa, sha, by, bx, sb, shb):
   """a (corner (ay, ax), size sa, shape index sha) stands <rel> b with a clear margin.
 
   With d = centre(b) - centre(a): along the relation axis |d| >= 6 and |d_along| > |d_across|
-  for the box centres (spec), and for the pixel centroids |d_along| >= 6 and
+  for the box centres (docs/shapes_world.md), and for the pixel centroids |d_along| >= 6 and
   |d_along| >= |d_across| + 1. Column centroids equal box centres (the shapes are left-right
   symmetric); a triangle's row centroid sits below its box centre, hence the second check.
   Broadcasts over array corners.
@@ -595,3 +595,25 @@ def split_records(split: str, num_train: int = 20000, seed: int = 0) -> list[dic
     idx = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-n // len(pool)))])[:n] if n else []
     streams.append([pool[int(i)] for i in idx])
   return [_copy_md(streams[k % len(TASKS)][k // len(TASKS)]) for k in range(num_train)]
+
+
+def stratified_subset(records: Sequence[dict], num: int) -> list[dict]:
+  """``num`` records with the tasks in turn (TASKS order) and, inside a task, its distinct prompts spread evenly
+  over their first-appearance order; a prompt repeats only once every distinct prompt of its task is in (a small
+  pool such as the 6 held-out single-object prompts). Deterministic; each repeat is a separate sample."""
+  by_task: dict[str, list[dict]] = {}
+  for r in records:
+    seen = by_task.setdefault(r["tag"], [])
+    if all(r["prompt"] != s["prompt"] for s in seen):
+      seen.append(r)
+  tasks = [t for t in TASKS if t in by_task] + sorted(t for t in by_task if t not in TASKS)
+  if not tasks:
+    return []
+  picks = []
+  for i, t in enumerate(tasks):
+    pool, n = by_task[t], num // len(tasks) + (i < num % len(tasks))
+    k = min(n, len(pool))
+    first = [pool[j] for j in np.linspace(0, len(pool) - 1, k).round().astype(int)] if k else []
+    picks.append([first[j % len(first)] for j in range(n)] if first else [])
+  out = [picks[q % len(tasks)][q // len(tasks)] for q in range(sum(len(p) for p in picks))]
+  return [_copy_md(r) if "include" in r else dict(r) for r in out]

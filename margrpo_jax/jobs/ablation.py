@@ -18,7 +18,7 @@ import numpy as np
 from absl import logging
 
 from margrpo_jax import config_files
-from margrpo_jax.rl import train
+from margrpo_jax.jobs import rl as rl_job
 
 CURVES = (("strict_pass", "strict pass (rollouts)"), ("reward", "reward (weighted sum)"),
           ("group_diversity", "group diversity (reward std)"), ("grad_norm", "gradient norm"))
@@ -51,7 +51,7 @@ def run(config, workdir: str) -> dict:
       wd = os.path.join(workdir, variant, f"seed{seed}")
       if not os.path.exists(os.path.join(wd, "report.json")):
         logging.info("ablation: %s seed %d -> %s", variant, seed, wd)
-        train.run(c, wd)
+        rl_job.run(c, wd)
       with open(os.path.join(wd, "metrics.jsonl")) as f:
         hist = [json.loads(line) for line in f]
       with open(os.path.join(wd, "report.json")) as f:

@@ -23,8 +23,8 @@ def run(config, workdir: str) -> str:
   if mngr.latest_step() is None:
     raise checkpoint.CheckpointError(f"{mngr.directory} holds no checkpoint to export (run the job there first).")
   if "rl" in config:
-    from margrpo_jax.rl import train
-    s = train.setup(config)
+    from margrpo_jax.jobs import rl as rl_job
+    s = rl_job.setup(config)
     _, state = checkpoint.restore_latest(mngr, s.init_state())
     params, model_cfg = {**s.frozen, **state["policy"]}, s.model_cfg
   else:

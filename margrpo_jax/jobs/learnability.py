@@ -22,7 +22,7 @@ from absl import logging
 
 from margrpo_jax import config_files, generate
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import train
+from margrpo_jax.jobs import rl as rl_job
 
 
 def rl_config(variant: str, reward: str, iters: int, overrides: dict | None = None) -> ml_collections.ConfigDict:
@@ -35,7 +35,7 @@ def rl_config(variant: str, reward: str, iters: int, overrides: dict | None = No
   return c
 
 
-def eval_rewards(config, s: train.Setup, policy: dict, recs: list[dict], reward: str) -> np.ndarray:
+def eval_rewards(config, s: rl_job.Setup, policy: dict, recs: list[dict], reward: str) -> np.ndarray:
   """Per-image ``reward`` (N,) of the policy on ``recs``' prompts, sampled with ``config.eval.seed``."""
   images = generate.generate(s.graphdef, {**s.frozen, **policy}, s.model_cfg, [r["prompt"] for r in recs],
                              config.sampling, seed=config.eval.seed, batch_size=config.eval.batch_size)
@@ -51,18 +51,18 @@ def paired(before: np.ndarray, after: np.ndarray) -> dict:
 
 
 def run_one(config, train_recs: list[dict], eval_recs: list[dict], reward: str, before: np.ndarray | None = None,
-            setup: train.Setup | None = None) -> dict:
+            setup: rl_job.Setup | None = None) -> dict:
   """``config.num_iters`` RL iterations from the base, then the paired before / after figures (``before``: the
   base's per-image rewards, if already measured on the same prompts and seed). Compiled functions are shared by
   every run with the same static configuration (the control reuses its variant's). ``after_rewards``: the
   per-image rewards after training, to pair with another run's."""
-  s = setup or train.setup(config)
+  s = setup or rl_job.setup(config)
   if before is None:
     before = eval_rewards(config, s, s.policy, eval_recs, reward)
   state = s.init_state()
   t0, history = time.time(), []
   for it in range(config.num_iters):
-    state, m, _ = train.iteration(config, s, state, train_recs, it)
+    state, m, _ = rl_job.iteration(config, s, state, train_recs, it)
     if m is not None:
       history.append(m["reward"])
   after = eval_rewards(config, s, state["policy"], eval_recs, reward)

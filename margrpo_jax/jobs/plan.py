@@ -17,7 +17,8 @@ from flax import nnx
 from margrpo_jax import checkpoint
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
-from margrpo_jax.rl import train
+from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.rl import step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 GIB = 2.0 ** 30
@@ -80,7 +81,7 @@ def plan(config, emit=lambda line: None) -> list[str]:
   graphdef, state = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(config.model)))
   params = nnx.to_pure_dict(state)
   params = _abstract(params, sharding.param_shardings(mesh, params, rules))
-  names = train.trainable_names(config, config.model)
+  names = rl_job.trainable_names(config, config.model)
   policy = {k: params[k] for k in names}
   frozen = {k: v for k, v in params.items() if k not in names}
   batch = config.rl.group_size * config.rl.prompts_per_iter
@@ -92,18 +93,19 @@ def plan(config, emit=lambda line: None) -> list[str]:
   ids_shape = (batch,) if ndim == 1 else (batch, config.model.text.max_len)
   ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))
-  static = train.configs_from(config)
+  rl_job.resolve_fidelity(config)
+  static = rl_job.configs_from(config)
   diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps, config.sampling.diffusion_steps)
-  rollout = sampler_lib.make_sample_fn(graphdef, diff, static[0], record=True, mesh=mesh, rules=rules,
+  rollout = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
                                        params=params, ids_ndim=len(ids_shape))
   lowered = rollout.lower(params, ids, key)
   lines += _memory_lines("rollout", lowered.compile())
   final, rec = jax.eval_shape(rollout, params, ids, key)
-  tx, step = train.compiled_step(graphdef, config.model.diffusion.num_train_steps, config.sampling.diffusion_steps,
-                                 *static, config.rl.num_inner, config.optim.to_json(), names, config.num_iters,
-                                 mesh, rules, (sharding.signature(policy), sharding.signature(frozen)),
-                                 len(ids_shape))
-  sh = train.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
+  tx, step = step_lib.compiled_step(graphdef, config.model.diffusion.num_train_steps, config.sampling.diffusion_steps,
+                                    static, config.optim.to_json(), names, config.num_iters,
+                                    mesh, rules, (sharding.signature(policy), sharding.signature(frozen)),
+                                    len(ids_shape))
+  sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
   state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
   args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
   args = _abstract(args, sh)

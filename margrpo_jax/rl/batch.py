@@ -19,7 +19,8 @@ For each selected AR step ``i`` (``M`` of ``N``, drawn without replacement; with
 
 Where the reward signal is (docs/rl_signal.md): a chain drawn from ``p(. | z)`` independently of the image has
 ``E[A grad log p(y)] = A grad integral p = 0``, so only the tokens decoded at a scored step, through their own
-image-producing chains, carry signal; tentative and MTE chains only add (MTE: averaged) noise.
+image-producing chains, carry signal; tentative and MTE chains only add (MTE: averaged) noise. Deviation ids (B1, A2, B6, ...) and the ``rl.*`` switch
+reproducing each: docs/algorithm.md sections 13-14.
 """
 from __future__ import annotations
 
@@ -111,8 +112,10 @@ def _decoded_mask(rec, i, seq_len):
 def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerConfig, bcfg: BatchConfig,
           lcfg: LossConfig, rec: sampler_lib.Record, final: jax.Array, ids: jax.Array, adv: jax.Array,
           key: jax.Array) -> tuple[TrainBatch, dict]:
-  """The training batch of one rollout and ``{'steps': (M,) selected AR steps, 'uncertainty': (M, B, L) per-token
-  MTE std (zeros without MTE)}`` (jit this whole function; everything here is gradient-free)."""
+  """The training batch of one rollout and ``{'steps': (M,) selected AR steps, 'uncertainty': (M, B, P) per-token
+  MTE std at the scored positions (zeros without MTE)}`` (jit this whole function; everything here is
+  gradient-free). Scored positions ``P``: the ``K`` tokens decoded at each step with ``loss_tokens='decoded'``,
+  else all ``L``; every per-token field of the batch is laid out over them."""
   n_steps, b = rec.mask.shape[:2]
   seq_len = rec.mask.shape[-1]
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
@@ -136,36 +139,42 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   commit_z_u = at_commit(rec.z_u) if commit and bcfg.mte_commit_guided else None
 
   independent = bcfg.selection_chains == "independent"
-  tentative = bcfg.loss_tokens == "unknown" or bcfg.consistency  # else only the decoded tokens' chains are used
+  only_decoded = bcfg.loss_tokens == "decoded"  # score the decoded tokens' own chains only: P = K positions
 
   def one_step(i, k_i):
     canvas, unknown = rec.canvas[i], rec.mask[i]
     decoded = _decoded_mask(rec, i, seq_len)
     z_c, z_u = sampler_lib.ar_latents(model, canvas, unknown, cond, null, guided)
     chain = lambda name: _chain(model, diff, scfg, z_c, z_u, rec.cfg[i], rng.stream(k_i, name))
-    if tentative:
-      xs, logp = chain("tentative")
+    # The scored positions P: the K tokens decoded at the step ('decoded': their recorded chains, nothing else is
+    # drawn) or all L positions (the rollout's chains at the decoded ones, tentative chains elsewhere).
+    if only_decoded:
+      pos, valid = rec.positions[i], rec.valid[i]
+      xs, logp = rec.xs[i], rec.logp[i]
     else:
-      xs = jnp.zeros((t_count + 1, b, seq_len, canvas.shape[-1]))
-      logp = jnp.zeros((t_count, b, seq_len))
-    act = lambda full, part: full.at[:, rows, rec.positions[i]].set(
-        jnp.where(rec.valid[i][(None, ...) + (None,) * (part.ndim - 3)], part, full[:, rows, rec.positions[i]]))
-    xs, logp = act(xs, rec.xs[i]), act(logp, rec.logp[i])
+      pos, valid = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len)), jnp.ones((b, seq_len), bool)
+      xs, logp = chain("tentative")
+      act = lambda full, part: full.at[:, rows, rec.positions[i]].set(
+          jnp.where(rec.valid[i][(None, ...) + (None,) * (part.ndim - 3)], part, full[:, rows, rec.positions[i]]))
+      xs, logp = act(xs, rec.xs[i]), act(logp, rec.logp[i])
+    at_p = lambda m: jnp.take_along_axis(m, pos, axis=1)  # (B, L) -> (B, P)
     after = unknown & ~decoded
     region = after if bcfg.mask_after_step else unknown
     if bcfg.loss_tokens == "decoded":
       region = region & decoded
     visible = ~after if bcfg.mask_after_step else ~unknown
     keep = region
-    if bcfg.consistency:  # tentative prediction at i (own chain, or the scored one) vs one AR step earlier
+    if bcfg.consistency and not only_decoded:  # tentative prediction at i vs one AR step earlier (decoded tokens
+                                               # are always kept: a no-op when only they are scored)
       ip = jnp.maximum(i - 1, 0)
       zp_c, zp_u = sampler_lib.ar_latents(model, rec.canvas[ip], rec.mask[ip], cond, null, guided)
       prev_xs, _ = _chain(model, diff, scfg, zp_c, zp_u, rec.cfg[ip], rng.stream(k_i, "previous"))
       prev_final = jnp.where(rec.mask[ip][..., None], prev_xs[-1], rec.canvas[ip])
       pred = jnp.where(unknown[..., None], chain("select")[0][-1] if independent else xs[-1], canvas)
       keep = selection.consistency_filter(region, decoded, selection.moved_closer(pred, prev_final, final), i)
-    # MTE trajectories and the uncertainty top-k. Only the K uncertain tokens' trajectories are kept (the loss
-    # uses the MTE estimate nowhere else), gathered to (S, T + 1, B, K, C).
+    region, keep, decoded_p = at_p(region) & valid, at_p(keep) & valid, at_p(decoded) & valid
+    # MTE trajectories and the uncertainty top-k. Only the uncertain tokens' trajectories are kept (the loss
+    # uses the MTE estimate nowhere else), gathered to (S, T + 1, B, K_U, C); idx indexes P.
     if bcfg.mte_seeds:
       if bcfg.mte_latent == "step":
         zm_c, zm_u, mte_scale = z_c, z_u, rec.cfg[i]
@@ -174,32 +183,37 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
       seeds = lambda name: jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, mte_scale, kk))(
           jax.random.split(rng.stream(k_i, name), bcfg.mte_seeds))
       mte_xs, mte_logp = seeds("mte")
-      u = selection.uncertainty(seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1])
+      u = at_p(selection.uncertainty(seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1]))
       if bcfg.topk_scope == "region":  # the top fraction of the loss region's tokens
         idx, unc = selection.topk_in_region(u, region, bcfg.topk_fraction)
       else:  # official: the top fraction of all L positions, known tokens included
         idx = selection.topk_indices(u, bcfg.topk_fraction)
-        unc = selection.indices_to_mask(idx, seq_len)
-      take = lambda a: jnp.take_along_axis(a, idx.reshape((1, 1) + idx.shape + (1,) * (a.ndim - 4)), axis=3)
+        unc = selection.indices_to_mask(idx, u.shape[-1])
+      idx_l = jnp.take_along_axis(pos, idx, axis=1)
+      take = lambda a: jnp.take_along_axis(a, idx_l.reshape((1, 1) + idx_l.shape + (1,) * (a.ndim - 4)), axis=3)
       mte_xs, mte_logp = take(mte_xs), take(mte_logp)
     else:
       idx = jnp.zeros((b, 0), jnp.int32)
       mte_xs = jnp.zeros((0,) + xs.shape[:2] + (0,) + xs.shape[3:])
       mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
-      u = jnp.zeros((b, seq_len))
-      unc = jnp.zeros((b, seq_len), bool)
-    # Reference transitions at the chosen diffusion steps.
-    ref_cond = ref_model.condition(ids)
-    rz_c = ref_model.backbone(canvas, ~visible, ref_cond)
-    rz_u = ref_model.backbone(canvas, ~visible, ref_model.null_condition(b)) if lcfg.cfg_in_loss else None
+      u = jnp.zeros(pos.shape)
+      unc = jnp.zeros(pos.shape, bool)
+    # Reference transitions at the chosen diffusion steps (not computed without a KL term: beta = 0).
     x_t, x_prev = xs[n_sel], xs[n_sel + 1]
-    j = jnp.broadcast_to((t_count - 1 - n_sel)[:, None, None], x_t.shape[:-1])
-    bk = lambda z: None if z is None else jnp.broadcast_to(z, (n_sel.shape[0],) + z.shape)
-    _, ref_mean, ref_std = sampler_lib.transition_logp(
-        ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
-        lcfg.temperature, lcfg.clip_denoised)
-    return dict(canvas=canvas, visible=visible, region=region, keep=keep, decoded=decoded, uncertain=unc,
-                uncertain_idx=idx,
+    if lcfg.beta:
+      ref_cond = ref_model.condition(ids)
+      gz = lambda z: None if z is None else jnp.take_along_axis(z, pos[..., None], axis=1)
+      rz_c = gz(ref_model.backbone(canvas, ~visible, ref_cond))
+      rz_u = gz(ref_model.backbone(canvas, ~visible, ref_model.null_condition(b))) if lcfg.cfg_in_loss else None
+      j = jnp.broadcast_to((t_count - 1 - n_sel)[:, None, None], x_t.shape[:-1])
+      bk = lambda z: None if z is None else jnp.broadcast_to(z, (n_sel.shape[0],) + z.shape)
+      _, ref_mean, ref_std = sampler_lib.transition_logp(
+          ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
+          lcfg.temperature, lcfg.clip_denoised)
+    else:
+      ref_mean, ref_std = jnp.zeros_like(x_t), jnp.ones_like(x_t)
+    return dict(canvas=canvas, visible=visible, positions=pos, region=region, keep=keep, decoded=decoded_p,
+                uncertain=unc, uncertain_idx=idx,
                 j=t_count - 1 - n_sel,
                 x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean, ref_std=ref_std,
                 mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel],
@@ -209,7 +223,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   per = jax.lax.map(lambda a: one_step(*a), (steps, keys))
   swap = lambda a: jnp.moveaxis(a, 0, 1)  # (M, S, ...) -> (S, M, ...)
   return TrainBatch(ids=ids, adv=adv, cfg=per["cfg"], canvas=per["canvas"], visible=per["visible"],
-                    region=per["region"], keep=per["keep"], decoded=per["decoded"], uncertain=per["uncertain"],
+                    positions=per["positions"], region=per["region"], keep=per["keep"], decoded=per["decoded"], uncertain=per["uncertain"],
                     uncertain_idx=per["uncertain_idx"], j=per["j"],
                     x_t=per["x_t"], x_prev=per["x_prev"], old_logp=per["old_logp"], ref_mean=per["ref_mean"],
                     ref_std=per["ref_std"], mte_x_t=swap(per["mte_x_t"]), mte_x_prev=swap(per["mte_x_prev"]),

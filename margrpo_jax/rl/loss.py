@@ -1,4 +1,4 @@
-r"""The MAR-GRPO loss (DESIGN.md "The RL algorithm as we implement it"; ALGORITHM.md sections 4 and 6-8).
+r"""The MAR-GRPO loss (docs/design.md section 4; docs/algorithm.md sections 4, 6-8 and 8.5).
 
 For each selected AR step ``i`` (leading axis M) and chosen diffusion steps ``j`` (axis k), with the AR latent
 recomputed with gradients, ``z_i = backbone(canvas_i, visible_i, prompt)``, each recorded transition is scored
@@ -41,7 +41,7 @@ class LossConfig:
   channel_reduction: str = "sum"    # per-token log-prob: 'sum' (Harmon) | 'mean' (NOVA) over channels
   cfg_in_loss: bool = True          # score under the guided mean the rollout sampled from (official: False)
   temperature: float = 1.0
-  clip_denoised: bool = False
+  clip_denoised: float = 0.0        # clip radius of x0_hat (the sampler's)
   remat: bool = False               # recompute each AR step's forward in the backward pass (real sizes)
   sigma_grad: bool = True           # the policy's sigma(z) differentiable in both the log-prob and the KL | both
                                     # detached (official: the rollout's sigma, gradient through the mean only)
@@ -57,20 +57,32 @@ class TrainBatch:
   cfg: jax.Array           # (M,) guidance scale of each selected step
   canvas: jax.Array        # (M, B, L, C) canvas given to the backbone
   visible: jax.Array       # (M, B, L) bool, visibility in the training forward
-  region: jax.Array        # (M, B, L) bool, loss region M (KL term)
-  keep: jax.Array          # (M, B, L) bool, M' (policy term; = region without consistency selection)
-  decoded: jax.Array       # (M, B, L) bool, the tokens committed at the step (their chains made the image)
-  uncertain: jax.Array     # (M, B, L) bool, U (MTE estimate where True)
-  uncertain_idx: jax.Array  # (M, B, K) positions of U (K = floor(topk_fraction * L); 0 without MTE)
+  positions: jax.Array     # (M, B, P) int32, the scored positions (all L, or the K decoded at the step); every
+                           # per-token field below is laid out over them
+  region: jax.Array        # (M, B, P) bool, loss region M (KL term)
+  keep: jax.Array          # (M, B, P) bool, M' (policy term; = region without consistency selection)
+  decoded: jax.Array       # (M, B, P) bool, the tokens committed at the step (their chains made the image)
+  uncertain: jax.Array     # (M, B, P) bool, U (MTE estimate where True)
+  uncertain_idx: jax.Array  # (M, B, K) indices into P of U (K = floor(topk_fraction * P); 0 without MTE)
   j: jax.Array             # (M, k) respaced diffusion steps
-  x_t: jax.Array           # (M, k, B, L, C) main trajectory
-  x_prev: jax.Array        # (M, k, B, L, C)
-  old_logp: jax.Array      # (M, k, B, L) per-token rollout log-probs (channel sum)
-  ref_mean: jax.Array      # (M, k, B, L, C) reference transition means
-  ref_std: jax.Array       # (M, k, B, L, C)
+  x_t: jax.Array           # (M, k, B, P, C) main trajectory
+  x_prev: jax.Array        # (M, k, B, P, C)
+  old_logp: jax.Array      # (M, k, B, P) per-token rollout log-probs (channel sum)
+  ref_mean: jax.Array      # (M, k, B, P, C) reference transition means
+  ref_std: jax.Array       # (M, k, B, P, C)
   mte_x_t: jax.Array       # (S, M, k, B, K, C) MTE trajectories of the U tokens (S = 0: no MTE)
   mte_x_prev: jax.Array    # (S, M, k, B, K, C)
   mte_old_logp: jax.Array  # (S, M, k, B, K)
+
+  # the batch axis of every per-image field (cfg and j have none)
+  BATCH_AXES = dict(ids=0, adv=0, canvas=1, visible=1, positions=1, region=1, keep=1, decoded=1, uncertain=1,
+                    uncertain_idx=1, x_t=2, x_prev=2, old_logp=2, ref_mean=2, ref_std=2, mte_x_t=3, mte_x_prev=3,
+                    mte_old_logp=3)
+
+  def rows(self, start, size: int) -> "TrainBatch":
+    """The images ``[start, start + size)`` of the batch (``start`` may be traced; ``size`` is static)."""
+    return self.replace(**{k: jax.lax.dynamic_slice_in_dim(getattr(self, k), start, size, axis=ax)
+                           for k, ax in self.BATCH_AXES.items()})
 
 
 def _surrogate(logp, old, adv, cfg: LossConfig):
@@ -96,8 +108,9 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
   """Unreduced policy / KL sums and counts, and metrics, for selected AR step ``i``."""
   canvas, visible, region, keep = (a[i] for a in (batch.canvas, batch.visible, batch.region, batch.keep))
   k = batch.j.shape[1]
-  z_c = model.backbone(canvas, ~visible, cond)
-  z_u = model.backbone(canvas, ~visible, null) if cfg.cfg_in_loss else None
+  at_p = lambda z: jnp.take_along_axis(z, batch.positions[i][..., None], axis=1)  # (B, L, D) -> (B, P, D)
+  z_c = at_p(model.backbone(canvas, ~visible, cond))
+  z_u = at_p(model.backbone(canvas, ~visible, null)) if cfg.cfg_in_loss else None
   scale = batch.cfg[i] if cfg.cfg_in_loss else None
   reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
 
@@ -128,7 +141,7 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
     elif cfg.mte_actual == "include":
       mte = jnp.where(at_u(batch.decoded[i]), (own + q_s.sum(0)) / (q_s.shape[0] + 1), mte)
     q = q.at[:, rows, idx].set(jnp.where(at_u(batch.uncertain[i]), mte, own))
-  kl = reduce(_kl(mean, std, batch.ref_mean[i], batch.ref_std[i], cfg))
+  kl = reduce(_kl(mean, std, batch.ref_mean[i], batch.ref_std[i], cfg)) if cfg.beta else jnp.zeros(q.shape)
   keep_k = jnp.broadcast_to(keep[None], q.shape).astype(jnp.float32)
   region_k = jnp.broadcast_to(region[None], kl.shape).astype(jnp.float32)
   return dict(policy_sum=jnp.sum(keep_k * q), policy_count=keep_k.sum(), kl_sum=jnp.sum(region_k * kl),

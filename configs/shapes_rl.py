@@ -49,7 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
       # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
-      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, jpeg_compressibility=0.0, brightness=0.0,
+      rewards=dict(shapes_partial=1.0, shapes_strict=0.0, shapes_dense=0.0, jpeg_compressibility=0.0, brightness=0.0,
                    **{name: 0.0 for name in registry.LEARNED}),
       reward_norm="none",         # per-reward normalisation before summing: 'none' | 'std' | 'minmax'
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'

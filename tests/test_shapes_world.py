@@ -261,8 +261,10 @@ def test_partial_by_hand():
   # include: min(2,1)/max(2,1) = 1/2; extra = 1 -> 1/2; mean = 1/2
   assert not r["strict"] and r["partial"] == pytest.approx(0.5)
   r = V.verify(two_red, _md("three red circles"))
-  # include 2/3, no extra -> 1; mean (2/3 + 1) / 2
-  assert r["partial"] == pytest.approx((2 / 3 + 1) / 2)
+  # include 2/3, no extra -> 1; mean (2/3 + 1) / 2; dense: 2/3 / (1 + 0)
+  assert r["partial"] == pytest.approx((2 / 3 + 1) / 2) and r["dense"] == pytest.approx(2 / 3)
+  assert V.verify(two_red, _md("a red circle"))["dense"] == pytest.approx(1 / 2 / 2)  # 1/2 / (1 + 1 extra)
+  assert V.verify(_blank(), _md("a red circle"))["dense"] == 0.0  # partial pays the empty canvas 1/2
   r = V.verify(two_red, _md("a red circle and a blue square"))
   # red 1/2, blue 0/1, extra 1 -> 1/2: (1/2 + 0 + 1/2) / 3
   assert r["partial"] == pytest.approx(1 / 3)
@@ -362,10 +364,12 @@ def test_numpy_jax_agree():
   metas.append(_md("a red circle above a blue square"))
   images = np.stack(images)
   out = V.verify_jax(images, V.encode_metadata(metas))
-  js, jp, jn = (np.asarray(out[k]) for k in ("strict", "partial", "noise"))
+  js, jp, jd, jn = (np.asarray(out[k]) for k in ("strict", "partial", "dense", "noise"))
   ref = [V.verify(i, m) for i, m in zip(images, metas)]
   assert np.array_equal(js, [r["strict"] for r in ref])
   np.testing.assert_allclose(jp, [r["partial"] for r in ref], atol=1e-6, rtol=0)
+  np.testing.assert_allclose(jd, [r["dense"] for r in ref], atol=1e-6, rtol=0)
+  assert np.array_equal(jd == 1.0, js)  # dense is 1 exactly when strict passes
   np.testing.assert_allclose(jn, [r["noise"] for r in ref], atol=1e-6, rtol=0)
   # the corruptions exercised failing branches
   assert 0 < js.mean() < 1 and (jn > 0).any() and ((jp > 0) & (jp < 1)).any()

@@ -4,6 +4,9 @@ Verifier rewards (need shapes-world metadata, or none):
 
 * ``shapes_partial``: the shapes-world verifier's partial score in [0, 1] (the dense RL signal).
 * ``shapes_strict``: strict pass in {0, 1} (for reporting, or as a sparse reward).
+* ``shapes_dense``: the verifier's dense score in [0, 1]: the mean of the wanted-object and position clauses,
+  divided by ``1 + extra objects``; 1 exactly when strict passes, 0 for an empty canvas
+  (:mod:`margrpo_jax.rewards.shapes_verifier`, rule 6).
 * ``jpeg_compressibility``: ``-(JPEG size in kB)`` at quality 95, as in DDPO (needs no metadata).
 * ``brightness``: mean pixel value in [0, 1] (needs no metadata): a reward every token moves, the first rung of
   the learnability ladder (``benchmarks/learnability.py``).
@@ -56,10 +59,11 @@ def brightness(images, metadatas=None):
 REWARDS: dict[str, Callable] = {  # verifier rewards: fn(images, metadatas)
     "shapes_partial": _verifier("partial"),
     "shapes_strict": lambda im, md: _verifier("strict")(im, md).astype(np.float32),
+    "shapes_dense": _verifier("dense"),
     "jpeg_compressibility": jpeg_compressibility,
     "brightness": brightness,
 }
-NEEDS_SHAPES = ("shapes_partial", "shapes_strict")  # verifier rewards defined only on shapes-world metadata
+NEEDS_SHAPES = ("shapes_partial", "shapes_strict", "shapes_dense")  # verifier rewards defined only on shapes-world metadata
 
 LEARNED: dict[str, str] = {  # learned rewards: "module:builder", build(cfg)(images, prompts)
     "hps": "margrpo_jax.rewards.clip_rewards:hps",

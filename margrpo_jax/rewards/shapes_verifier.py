@@ -26,6 +26,9 @@ contract) agree.
    position (if any): 1 if the relation holds for SOME (subject-class object, other-class object)
    pair, else 0; no-extra: 1 / (1 + extra), extra = sum over detected classes (incl. unknown shapes)
    of max(0, found - wanted).
+   dense (the RL reward ``shapes_dense``) = mean(include clauses, position clause) / (1 + extra): the same
+   clauses without the no-extra one, scaled down by every extra object instead. 1 exactly when strict; an empty
+   canvas scores 0 (partial pays it 1 / (number of clauses), more than a ragged object gets).
 7. noise = (#non-black-class pixels not in an object) / (#non-black-class pixels), 0 if none.
    "Non-black" means classified as a palette colour or unknown.
 """
@@ -211,6 +214,7 @@ def verify(image: np.ndarray, metadata: dict) -> dict:
   return {
     "strict": strict,
     "partial": float(sum(clauses) / len(clauses)),
+    "dense": float(sum(clauses[:-1]) / (len(clauses) - 1) / (1.0 + extra)),
     "noise": float(noise),
     "objects": objects,
     "extra": int(extra),
@@ -366,7 +370,10 @@ def _verify_one_jax(image, wanted, relation, subject, other):
   total = terms.sum() + pos_ok.astype(jnp.float32) + 1.0 / (1.0 + extra.astype(jnp.float32))
   count = inc.sum() + has_pos.astype(jnp.int32) + 1
   partial = total / count.astype(jnp.float32)
-  return {"strict": strict, "partial": partial.astype(jnp.float32), "noise": noise.astype(jnp.float32)}
+  wanted_clauses = terms.sum() + pos_ok.astype(jnp.float32)
+  dense = wanted_clauses / jnp.maximum(count - 1, 1).astype(jnp.float32) / (1.0 + extra.astype(jnp.float32))
+  return {"strict": strict, "partial": partial.astype(jnp.float32), "dense": dense.astype(jnp.float32),
+          "noise": noise.astype(jnp.float32)}
 
 
 _VERIFY_JIT = None
@@ -375,7 +382,7 @@ _VERIFY_JIT = None
 def verify_jax(images, encoded: dict) -> dict:
   """Batched JAX verifier: images (B, 32, 32, 3) uint8, ``encoded`` from ``encode_metadata``.
 
-  Returns {"strict": (B,) bool, "partial": (B,) float32, "noise": (B,) float32}; jitted and
+  Returns {"strict": (B,) bool, "partial", "dense", "noise": (B,) float32}; jitted and
   vmapped (static shapes). Components: min-label propagation over equal-class 4-neighbours
   with pointer jumping inside ``lax.while_loop`` until no label changes; labels converge to the
   smallest pixel index of each component, which then serves as the segment id for
@@ -401,7 +408,7 @@ def verify_jax_fn():
 def score_images(images, metadatas: Sequence[dict]) -> dict:
   """Score a batch with the JAX verifier (batch padded to a power of two >= 8 to limit recompiles).
 
-  Returns {"per_image": [{"strict": bool, "partial": float, "noise": float}, ...],
+  Returns {"per_image": [{"strict": bool, "partial": float, "dense": float, "noise": float}, ...],
   "strict_mean", "partial_mean", "noise_mean"} (plain Python floats).
   """
   images = np.asarray(images)
@@ -422,8 +429,10 @@ def score_images(images, metadatas: Sequence[dict]) -> dict:
   out = verify_jax(imgs, enc)
   strict = np.asarray(out["strict"])[:B]
   partial = np.asarray(out["partial"])[:B]
+  dense = np.asarray(out["dense"])[:B]
   noise = np.asarray(out["noise"])[:B]
-  per = [{"strict": bool(s), "partial": float(p), "noise": float(z)} for s, p, z in zip(strict, partial, noise)]
+  per = [{"strict": bool(s), "partial": float(p), "dense": float(d), "noise": float(z)}
+         for s, p, d, z in zip(strict, partial, dense, noise)]
   return {
     "per_image": per,
     "strict_mean": float(strict.mean()),

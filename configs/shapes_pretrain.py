@@ -22,13 +22,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = tiny.tiny_config("" if "patches" in parts else "shapes_tokenizer")
   c.data = dict(tfds_dir="")  # '' -> <workdir>/tfds
   c.batch_size = 64
-  c.num_steps = 3500
+  c.num_steps = 10000
   c.log_every = 50
   c.optim = dict(lr=5e-4, warmup_steps=200, decay="cosine", final_lr_frac=0.05, b1=0.9, b2=0.95, eps=1e-8,
                  weight_decay=0.02, grad_clip=3.0)
   c.ema_decay = 0.999
   # mask_ratio: 'cosine' (MaskGIT, matches the sampler) | 'truncnorm' (MAR: [mask_ratio_min, 1], std 0.25)
-  c.mar = dict(mask_ratio="cosine", mask_ratio_min=0.7, mask_ratio_std=0.25, diffusion_batch_mul=2, label_drop=0.1)
+  c.mar = dict(mask_ratio="cosine", mask_ratio_min=0.7, mask_ratio_std=0.25, diffusion_batch_mul=4, label_drop=0.1)
   c.parallel = mesh.config()  # device mesh, sharding rules, multi-host (margrpo_jax/parallel/mesh.py)
   c.export = dict(dtype="float32", dir="")  # mode=export: params-only checkpoint ('bfloat16' halves it)
   # clip_denoised = r: x0_hat clipped to [-r, r] in each diffusion step: the pixels' range, or 5 for the tokenizer's
@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the head's eps error into latents of std ~ 500
   c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
                     clip_denoised=1.0 if "patches" in parts else 5.0)
-  c.eval = dict(every=500, num_prompts=64, batch_size=64, seed=0)
+  c.eval = dict(every=1000, num_prompts=128, batch_size=64, seed=0)
   c.checkpoint = dict(every=250, keep=3)
   if "smoke" in parts:
     c.model.text.update(width=32, depth=1, num_heads=2)

@@ -54,6 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       reward_norm="none",         # per-reward normalisation before summing: 'none' | 'std' | 'minmax'
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'
       shuffle_advantages=False,   # control: advantages permuted inside each group (no reward signal, same seeds)
+      positive_only=False,        # advantages clipped at 0: only images better than their group's mean are trained on
       group_size=8, prompts_per_iter=4,
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)
       num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10; 0 = every window step)
@@ -63,6 +64,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       shared_order=False,         # the G images of a prompt share one generation order (variance reduction)
       shared_noise=False,         # ... and every diffusion noise except at the scored AR steps (implies shared_order)
       loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
+      logp="chain",               # a token's log-likelihood: 'chain' (its recorded transitions, the paper) | 'elbo'
+                                  # (the head's denoising ELBO of its final value; docs/rl_signal.md)
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
       ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
       kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]

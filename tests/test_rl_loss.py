@@ -213,3 +213,30 @@ def test_sigma_grad_changes_the_gradient_not_the_value(rollout):
   np.testing.assert_allclose(v1, v2, rtol=1e-6)
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g["backbone"])])
   assert np.abs(flat(g1) - flat(g2)).max() > 1e-3 * np.abs(flat(g1)).max()
+
+
+def test_elbo_log_likelihood_scores_the_final_tokens(rollout):
+  """``logp='elbo'``: the scored terms are the head's denoising errors of each decoded token's final value at the
+  chosen noise levels (fresh noise): ratio 1 and KL 0 at the first update, and a step along the gradient with
+  positive advantages lowers those tokens' denoising error (raises their likelihood)."""
+  graphdef, params, build = rollout
+  bcfg = batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=3, mte_seeds=0, loss_tokens="decoded",
+                               logp="elbo")
+  batch, info = build(bcfg, params)
+  lcfg = dataclasses.replace(LCFG, logp="elbo")
+  loss, m = _loss(graphdef, params, batch, lcfg)
+  assert float(m["logp_diff"]) < 1e-4 and abs(float(m["kl"])) < 1e-6 and np.isfinite(float(loss))
+  final = np.asarray(S.make_sample_fn(graphdef, DIFF, SCFG, record=True)(
+      params, jnp.asarray(text.tokenize(PROMPTS, 12)), jax.random.key(0))[1].xs[:, -1])  # (N, B, K, C) x_0
+  for m_, i in enumerate(np.asarray(info["steps"])):  # x_t noises the decoded tokens' own final values
+    j = np.asarray(batch.j[m_])
+    x0 = final[i]
+    sa, sb = (np.asarray(DIFF.table(n, j))[:, None, None] for n in ("sqrt_alphas_cumprod",
+                                                                    "sqrt_one_minus_alphas_cumprod"))
+    want = sa * x0[None] + sb * np.asarray(batch.x_prev[m_])
+    np.testing.assert_allclose(np.asarray(batch.x_t[m_]), want, atol=1e-5)
+  pos = batch.replace(adv=jnp.ones_like(batch.adv))
+  grads = jax.jit(jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, pos)[0]))(params)
+  moved = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+  err = lambda p: -float(loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, pos)[1]["policy"])
+  assert err(moved) < err(params)

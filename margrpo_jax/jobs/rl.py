@@ -96,11 +96,13 @@ def configs_from(config) -> step_lib.StepConfig:
                                topk_fraction=rl.topk_fraction, consistency=rl.consistency,
                                mask_after_step=rl.mask_after_step, mte_latent=rl.mte_latent,
                                mte_commit_guided=rl.mte_commit_guided, topk_scope=rl.topk_scope,
-                               selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens)
+                               selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens,
+                               logp=rl.logp)
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=rl.ratio, kl=rl.kl,
                              channel_reduction=rl.channel_reduction, cfg_in_loss=rl.cfg_in_loss,
                              temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
-                             remat=rl.remat, sigma_grad=rl.sigma_grad, mte_actual=rl.mte_actual)
+                             remat=rl.remat, sigma_grad=rl.sigma_grad, mte_actual=rl.mte_actual,
+                             logp=rl.logp)
   steps = gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps
   try:
     batch_lib.validate(bcfg, steps)
@@ -219,6 +221,8 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   adv = np.asarray(advantages.group_advantages(reward, g, config.rl.advantage))
   if config.rl.shuffle_advantages:
     adv = advantages.shuffle_in_groups(adv, g, [config.seed, it])
+  if config.rl.positive_only:  # learn from the better-than-group images only (no push away from the others)
+    adv = np.maximum(adv, 0.0)
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
   state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}

@@ -57,10 +57,13 @@ class BatchConfig:
   loss_tokens: str = "unknown"     # 'unknown': every not-yet-known token (tentative chains too, as the paper and
                                    # the official code) | 'decoded': only the tokens committed at the step (the
                                    # actions that reach the image: plain REINFORCE credit assignment)
+  logp: str = "chain"              # a token's log-likelihood: 'chain' = its recorded diffusion transitions (the
+                                   # paper) | 'elbo' = the head's denoising ELBO of its final value x_0, at
+                                   # num_diffusion_steps noise levels of the window with fresh noise
 
 
 OPTIONS = dict(mte_latent=("step", "commit"), topk_scope=("region", "all"),
-               selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"))
+               selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"), logp=("chain", "elbo"))
 
 
 def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[int, int]:
@@ -87,6 +90,9 @@ def validate(bcfg: BatchConfig, num_steps: int) -> None:
                      "in [0, 1]")
   if bcfg.num_ar_steps < 1:
     raise ValueError(f"rl.num_ar_steps={bcfg.num_ar_steps} must be at least 1")
+  if bcfg.logp == "elbo" and bcfg.mte_seeds:
+    raise ValueError(f"rl.logp='elbo' scores each token's final value, so MTE trajectories have no role: set "
+                     f"rl.mte_seeds=0 (got {bcfg.mte_seeds})")
 
 
 def diffusion_positions(bcfg: BatchConfig, num_steps: int, key: jax.Array) -> jax.Array:
@@ -140,6 +146,27 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
 
   independent = bcfg.selection_chains == "independent"
   only_decoded = bcfg.loss_tokens == "decoded"  # score the decoded tokens' own chains only: P = K positions
+
+  def elbo_terms(i, canvas, visible, pos, x0, j, k_i):
+    """x_t = q(x_0, j, eps) at the k noise levels ``j``; the behaviour policy's and the reference's eps
+    predictions there (guided as the loss scores them). Fields: x_t, x_prev = eps (the target), old_logp =
+    -1/2 sum_c (eps_hat - eps)^2, ref_mean = the reference's eps_hat."""
+    eps = jax.random.normal(rng.stream(k_i, "elbo"), j.shape + x0.shape)
+    jj = jnp.broadcast_to(j[:, None, None], j.shape + x0.shape[:2])
+    x_t = gaussian.q_sample(diff, x0[None], jj, eps)
+    t = jnp.asarray(diff.timesteps, jnp.int32)[jj]
+    scale = rec.cfg[i] if lcfg.cfg_in_loss else None
+
+    def eps_hat(m):
+      zc = jnp.take_along_axis(m.backbone(canvas, ~visible, m.condition(ids)), pos[..., None], axis=1)
+      zu = jnp.take_along_axis(m.backbone(canvas, ~visible, m.null_condition(b)), pos[..., None],
+                               axis=1) if lcfg.cfg_in_loss else None
+      bk = lambda z: None if z is None else jnp.broadcast_to(z, j.shape + z.shape)
+      return gaussian.split_output(sampler_lib.head_output(m, x_t, t, bk(zc), bk(zu), scale))[0]
+
+    old = -0.5 * jnp.sum((eps_hat(model) - eps) ** 2, axis=-1)
+    ref = eps_hat(ref_model) if lcfg.beta else jnp.zeros_like(x_t)
+    return dict(j=j, x_t=x_t, x_prev=eps, old_logp=old, ref_mean=ref, ref_std=jnp.ones_like(x_t))
 
   def one_step(i, k_i):
     canvas, unknown = rec.canvas[i], rec.mask[i]
@@ -198,6 +225,11 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
       mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
       u = jnp.zeros(pos.shape)
       unc = jnp.zeros(pos.shape, bool)
+    common = dict(canvas=canvas, visible=visible, positions=pos, region=region, keep=keep, decoded=decoded_p,
+                  uncertain=unc, uncertain_idx=idx, cfg=rec.cfg[i], u=u, mte_x_t=mte_xs[:, n_sel],
+                  mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel])
+    if bcfg.logp == "elbo":  # denoising terms of the final tokens at the chosen noise levels (j = T - 1 - n)
+      return dict(common, **elbo_terms(i, canvas, visible, pos, xs[-1], t_count - 1 - n_sel, k_i))
     # Reference transitions at the chosen diffusion steps (not computed without a KL term: beta = 0).
     x_t, x_prev = xs[n_sel], xs[n_sel + 1]
     if lcfg.beta:
@@ -212,12 +244,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
           lcfg.temperature, lcfg.clip_denoised)
     else:
       ref_mean, ref_std = jnp.zeros_like(x_t), jnp.ones_like(x_t)
-    return dict(canvas=canvas, visible=visible, positions=pos, region=region, keep=keep, decoded=decoded_p,
-                uncertain=unc, uncertain_idx=idx,
-                j=t_count - 1 - n_sel,
-                x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean, ref_std=ref_std,
-                mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel],
-                cfg=rec.cfg[i], u=u)
+    return dict(common, j=t_count - 1 - n_sel, x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean,
+                ref_std=ref_std)
 
   keys = jax.random.split(rng.stream(key, "replay"), bcfg.num_ar_steps)
   per = jax.lax.map(lambda a: one_step(*a), (steps, keys))

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.sampling.sampler import transition_logp
+from margrpo_jax.sampling.sampler import head_output, transition_logp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,7 @@ class LossConfig:
                                     # detached (official: the rollout's sigma, gradient through the mean only)
   mte_actual: str = "keep"          # a decoded token in U: 'keep' its own chain's estimate | 'include' it in the
                                     # MTE average | 'replace' it by the MTE mean (official)
+  logp: str = "chain"               # 'chain': recorded transitions | 'elbo': denoising terms of the final tokens
 
 
 @flax.struct.dataclass
@@ -124,7 +125,13 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
 
   c = batch.x_t.shape[-1]
   old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
-  lp, mean, std = score(batch.x_t[i], batch.x_prev[i], z_c, z_u)
+  if cfg.logp == "elbo":  # x_t noised final tokens, x_prev their noise: l = -1/2 |eps_hat - eps|^2 per level
+    t = jnp.asarray(diff.timesteps, jnp.int32)[jnp.broadcast_to(batch.j[i][:, None, None], batch.x_t[i].shape[:-1])]
+    bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
+    eps = gaussian.split_output(head_output(model, batch.x_t[i], t, bk(z_c), bk(z_u), scale))[0]
+    lp, mean, std = -0.5 * (eps - batch.x_prev[i]) ** 2, eps, batch.ref_std[i]
+  else:
+    lp, mean, std = score(batch.x_t[i], batch.x_prev[i], z_c, z_u)
   logp = reduce(lp)
   q, clipped = _surrogate(logp, batch.old_logp[i] * old_scale, batch.adv, cfg)
   if batch.mte_x_t.shape[0] and batch.uncertain_idx.shape[-1]:  # MTE on the K uncertain tokens only
@@ -141,7 +148,12 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
     elif cfg.mte_actual == "include":
       mte = jnp.where(at_u(batch.decoded[i]), (own + q_s.sum(0)) / (q_s.shape[0] + 1), mte)
     q = q.at[:, rows, idx].set(jnp.where(at_u(batch.uncertain[i]), mte, own))
-  kl = reduce(_kl(mean, std, batch.ref_mean[i], batch.ref_std[i], cfg)) if cfg.beta else jnp.zeros(q.shape)
+  if not cfg.beta:
+    kl = jnp.zeros(q.shape)
+  elif cfg.logp == "elbo":  # the two denoisers' squared eps difference (their KL up to the level weights)
+    kl = reduce(0.5 * (mean - batch.ref_mean[i]) ** 2)
+  else:
+    kl = reduce(_kl(mean, std, batch.ref_mean[i], batch.ref_std[i], cfg))
   keep_k = jnp.broadcast_to(keep[None], q.shape).astype(jnp.float32)
   region_k = jnp.broadcast_to(region[None], kl.shape).astype(jnp.float32)
   return dict(policy_sum=jnp.sum(keep_k * q), policy_count=keep_k.sum(), kl_sum=jnp.sum(region_k * kl),

@@ -1,17 +1,21 @@
 """MAR-GRPO fine-tuning of the shipped shapes-world base (``config.mode = 'rl'``).
 
-python -m margrpo_jax.main --config=configs/shapes_rl.py:VARIANT[,smoke] --workdir=runs/rl
+python -m margrpo_jax.main --config=configs/shapes_rl.py[:VARIANT][,smoke] --workdir=runs/rl
+The default is ``mar_elbo`` (the main job: the setting that raises strict pass, docs/rl_signal.md section 6).
 Variants (the ablation ladder of the paper):
   grpo                  vanilla end-to-end GRPO: head trainable, one trajectory, no token selection
   frozen_head           + frozen diffusion head
   frozen_head_mte       + MTE on every token (S trajectories from the same AR latent)
   frozen_head_mte_topk  + MTE only on the top-k% uncertain tokens
-  margrpo               + consistency-aware token selection (all stabilisers; the default)
+  margrpo               + consistency-aware token selection (all stabilisers of the paper)
 and, beyond the paper:
   focused               the policy term on the decoded tokens' own chains only (no MTE or consistency: the other
                         chains carry no reward signal), every step of the scored-step window, and common random
                         numbers inside a group (one generation order; diffusion noise varied only at the scored
                         AR steps). See docs/rl_signal.md.
+  mar_elbo              the image's log-likelihood as MAR's own training ELBO of the tokenizer's re-encoding of
+                        the decoded image (rl.logp='mar'), better-than-group images only (rl.positive_only), an
+                        EMA of the policy exported; strict pass as the reward, 200 iterations of 64 images.
 Estimator fixes on by default (each a switch; ``rl.fidelity='official'`` restores the official behaviour):
 ``rl.diffusion_window`` (no saturated first / near-deterministic last steps), ``rl.mte_actual='keep'`` (a decoded
 token keeps its own chain inside U), ``rl.topk_scope='region'``, ``rl.selection_chains='independent'``,
@@ -24,12 +28,12 @@ from margrpo_jax import config_files
 from margrpo_jax.parallel import mesh
 from margrpo_jax.rewards import registry
 
-VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo", "focused")
+VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo", "focused", "mar_elbo")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  parts = [a for a in (arg or "margrpo").split(",") if a]
-  variant = next((p for p in parts if p in VARIANTS), "margrpo")
+  parts = [a for a in (arg or "mar_elbo").split(",") if a]
+  variant = next((p for p in parts if p in VARIANTS), "mar_elbo")
   unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
   if unknown:
     raise ValueError(f"unknown config arg {unknown[0]!r} for shapes_rl (variants: {', '.join(VARIANTS)}; "
@@ -65,7 +69,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       shared_noise=False,         # ... and every diffusion noise except at the scored AR steps (implies shared_order)
       loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
       logp="chain",               # a token's log-likelihood: 'chain' (its recorded transitions, the paper) | 'elbo'
-                                  # (the head's denoising ELBO of its final value; docs/rl_signal.md)
+                                  # (the head's denoising ELBO of its final value) | 'mar' (the whole image's MAR
+                                  # training ELBO, models/objective.py; docs/rl_signal.md)
+      reencode=True,              # logp='mar': score the tokenizer's re-encoding of the decoded image (False: the
+                                  # sampled tokens, off the tokenizer's manifold)
+      mar_objective=dict(mask_ratio="cosine", diffusion_batch_mul=4, label_drop=0.1),  # logp='mar': its draws
+      ema_decay=0.0,              # > 0: export and evaluate an EMA of the policy (d ema + (1 - d) policy per update)
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
       ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
       kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]
@@ -87,7 +96,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rewards = registry.settings_config()  # learned rewards: checkpoint, vocab and options per name
   c.optim = dict(lr=3e-5, warmup_steps=0, decay="constant", final_lr_frac=1.0, b1=0.9, b2=0.999, eps=1e-8,
                  weight_decay=0.0, grad_clip=1.0)
-  c.eval = dict(num_prompts=128, batch_size=64, seed=0)
+  c.eval = dict(num_prompts=512, batch_size=64, seed=0)  # 512 = the whole eval split (strict pass se ~0.022)
   c.save = dict(every=5, keep=3)  # train-state checkpoints (Orbax, async) every N iterations
   c.log_images_every = 10         # TensorBoard grid of the rollouts every N iterations
   if variant != "margrpo":
@@ -100,6 +109,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.train_head = True
   if variant == "focused":  # beyond the paper: only terms that carry reward signal, common random numbers
     c.rl.update(loss_tokens="decoded", mte_seeds=0, num_diffusion_steps=0, shared_noise=True)
+  if variant == "mar_elbo":  # beyond the paper: reward-weighted denoising on re-encoded images (docs/rl_signal.md)
+    c.num_iters = 200
+    c.optim.lr = 1e-4
+    c.rl.update(logp="mar", positive_only=True, reencode=True, ema_decay=0.95, beta=0.0, mte_seeds=0,
+                prompts_per_iter=8, group_size=8)
+    c.rl.rewards.update(shapes_partial=0.0, shapes_strict=1.0)
+    c.save.every = 25
   if "smoke" in parts:
     c.num_iters = 3
     c.sampling.update(num_steps=4, diffusion_steps="5")

@@ -9,6 +9,7 @@ from margrpo_jax import checkpoint
 from margrpo_jax.data import shapes
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.jobs import pretrain
+from margrpo_jax.models import objective
 
 
 def test_loss_decreases_on_a_fixed_batch():
@@ -17,8 +18,9 @@ def test_loss_decreases_on_a_fixed_batch():
   graphdef, tx, ts = pretrain.init_state(config)
   batch = pretrain.make_batch(shapes.split_records("train", num_train=64), 0, 16, 0, config.model)
   # Evaluate the loss at a fixed key so that the comparison is not masked by mask / noise draws.
-  loss_at = jax.jit(lambda p: pretrain.mar_loss(nnx.merge(graphdef, p), gaussian.make_diffusion(1000), config.mar,
-                                                batch, jax.random.key(7)))
+  obj = objective.MaskedObjective.from_config(config.mar)
+  loss_at = jax.jit(lambda p: objective.mar_loss(nnx.merge(graphdef, p), gaussian.make_diffusion(1000), obj, batch,
+                                                 jax.random.key(7)))
   step = pretrain.make_step_fn(graphdef, tx, config)
   before = float(loss_at(ts["params"]))
   for _ in range(25):

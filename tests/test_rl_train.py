@@ -130,3 +130,37 @@ def test_minibatches_and_epochs_take_that_many_optimizer_steps(base):
             np.issubdtype(np.asarray(x).dtype, np.integer)]
   assert counts and max(counts) == 4, counts
   assert np.isfinite(m["loss"]) and not _same(state["policy"], s.policy)
+
+
+def test_mar_elbo_fits_the_rewarded_images_and_exports_the_ema(tmp_path, base):
+  """``rl.logp='mar'``: a (plain gradient) update whose only positive advantage is image i lowers MAR's loss of
+  image i at the update's own draws, and rewarding image 0 instead of 2 moves the two losses apart (to first
+  order ``lr |g_0 - g_2|^2 > 0``: credit goes where the advantage is); zero advantages move nothing; and
+  ``rl.ema_decay`` keeps ``ema = d base + (1 - d) policy`` after one update, which is what the job exports."""
+  import optax
+  from flax import nnx
+  from margrpo_jax.diffusion import gaussian
+  from margrpo_jax.models import objective
+  from margrpo_jax.rl import step as step_lib
+  config = _config(base[0], logp="mar", positive_only=True, ema_decay=0.5, beta=0.0, mte_seeds=0, consistency=False)
+  s = rl_job.setup(config)
+  ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=64), 0)
+  tokens = jnp.asarray(checkpoint.model_class("tiny").encode_images(s.model_cfg, ro["images"]))
+  diff, key = gaussian.make_diffusion(1000), jax.random.key(3)
+  tx = optax.sgd(0.05)
+  start = dict(step=jnp.int32(0), policy=s.policy, opt=tx.init(s.policy))
+  update = jax.jit(lambda adv: step_lib.mar_update(s.graphdef, tx, diff, s.static, start, s.frozen, s.ref, ro["ids"],
+                                                   adv, tokens, key))
+  per_image = lambda p: np.asarray(objective.per_image(*objective.per_token(
+      nnx.merge(s.graphdef, {**s.frozen, **p}), diff, s.static.masked, ro["ids"], tokens, jax.random.fold_in(key, 0))[:2]))
+  before = per_image(s.policy)
+  onehot = lambda i: jnp.zeros(len(ro["images"])).at[i].set(1.0)
+  (st0, m), (st2, _) = update(onehot(0)), update(onehot(2))
+  drop0, drop2 = before - per_image(st0["policy"]), before - per_image(st2["policy"])
+  assert drop0[0] > 0 and drop2[2] > 0 and (drop0[0] - drop2[0]) + (drop2[2] - drop0[2]) > 0, (drop0, drop2)
+  assert np.isfinite(m["loss"]) and m["mar_loss"] > 0
+  assert _same(update(jnp.zeros(len(ro["images"])))[0]["policy"], s.policy)  # no advantage, no step
+  state, m, _ = rl_job.iteration(config, s, s.init_state(), shapes.split_records("train", num_train=64), 0)
+  want = jax.tree.map(lambda b, p: 0.5 * b + 0.5 * p, s.policy, state["policy"])
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), state["ema"], want))
+  assert not _same(state["ema"], state["policy"]) and s.trained_policy(state) is state["ema"]

@@ -26,7 +26,7 @@ def run(config, workdir: str) -> str:
     from margrpo_jax.jobs import rl as rl_job
     s = rl_job.setup(config)
     _, state = checkpoint.restore_latest(mngr, s.init_state())
-    params, model_cfg = {**s.frozen, **state["policy"]}, s.model_cfg
+    params, model_cfg = s.trained_params(state), s.model_cfg
   else:
     from margrpo_jax.jobs import pretrain
     _, _, state = pretrain.init_state(config)

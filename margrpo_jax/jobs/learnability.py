@@ -65,7 +65,7 @@ def run_one(config, train_recs: list[dict], eval_recs: list[dict], reward: str, 
     state, m, _ = rl_job.iteration(config, s, state, train_recs, it)
     if m is not None:
       history.append(m["reward"])
-  after = eval_rewards(config, s, state["policy"], eval_recs, reward)
+  after = eval_rewards(config, s, s.trained_policy(state), eval_recs, reward)
   out = dict(paired(before, after), seconds=time.time() - t0, rollout_reward=history, after_rewards=after)
   logging.info("%s / %s%s: %.4f -> %.4f (z %+.1f, %.0f s)", reward, config.variant,
                " (shuffled)" if config.rl.shuffle_advantages else "", out["before"], out["after"], out["z"],

@@ -1,12 +1,8 @@
 r"""Pretraining of the shapes-world MAR with MAR's masked objective (``config.mode = 'pretrain'``).
 
-Per image: a random order, a mask ratio ``r``, the first ``ceil(L r)`` tokens of the order masked. ``r`` is
-MAR's ``TruncNormal(mean 1, std 0.25, [0.7, 1])`` (``mask_ratio='truncnorm'``) or MaskGIT's
-``r = cos(pi/2 u), u ~ U(0, 1)`` (``'cosine'``): exactly the masked fractions the cosine sampler visits, so
-the late, mostly-visible steps are trained too. The condition is dropped to the null embedding with prob
-``label_drop`` (CFG). ``z = backbone(tokens, mask, cond)``; each token's ``(z, x_0)`` pair is repeated
-``diffusion_batch_mul`` times with independent ``t ~ U{0..999}`` and noise, and the loss is the diffusion
-loss (``MSE(eps) + VLB``) averaged over masked tokens. AdamW, warm-up + cosine, grad clipping, EMA.
+The loss is ``models/objective.py``'s (random order and mask ratio per image, CFG label drop, the diffusion loss
+``MSE(eps) + VLB`` of the masked tokens at ``diffusion_batch_mul`` noise levels each), on fresh renders encoded
+by the tokenizer. AdamW, warm-up + cosine, grad clipping, EMA.
 
 Training survives being killed: data and randomness depend only on ``(seed, step)``, the full state
 (params, EMA, optimizer) is checkpointed with Orbax, and rerunning the same command resumes.
@@ -30,36 +26,8 @@ from flax import nnx
 from margrpo_jax import checkpoint, generate, optim, rng
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import text, tiny
+from margrpo_jax.models import objective, text, tiny
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
-
-
-def mar_loss(model, diff: gaussian.Diffusion, mar_cfg, batch: dict, key: jax.Array):
-  """MAR's masked diffusion loss on a batch ``{'ids': (B, T), 'tokens': (B, L, C)}``."""
-  x0 = batch["tokens"]
-  b, seq_len, _ = x0.shape
-  order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(jax.random.split(rng.stream(key, "order"), b))
-  if mar_cfg.mask_ratio == "cosine":
-    ratio = jnp.cos(jnp.pi / 2 * jax.random.uniform(rng.stream(key, "ratio"), (b,)))
-  elif mar_cfg.mask_ratio == "truncnorm":
-    lower = (mar_cfg.mask_ratio_min - 1.0) / mar_cfg.mask_ratio_std
-    ratio = 1.0 + mar_cfg.mask_ratio_std * jax.random.truncated_normal(rng.stream(key, "ratio"), lower, 0.0, (b,))
-  else:
-    raise ValueError(f"mar.mask_ratio={mar_cfg.mask_ratio!r} is not one of 'truncnorm', 'cosine'")
-  num_masked = jnp.clip(jnp.ceil(seq_len * ratio), 1, seq_len)
-  rank = jnp.argsort(order, axis=1)  # position -> place in the order
-  mask = rank < num_masked[:, None]
-  drop = jax.random.bernoulli(rng.stream(key, "label_drop"), mar_cfg.label_drop, (b,))
-  cond = jnp.where(drop[:, None, None], model.null_condition(b), model.condition(batch["ids"]))
-  z = model.backbone(x0, mask, cond)
-  m = mar_cfg.diffusion_batch_mul
-  t = jax.random.randint(rng.stream(key, "timestep"), (m, b, seq_len), 0, diff.num_steps)
-  noise = jax.random.normal(rng.stream(key, "noise"), (m,) + x0.shape)
-  x_t = gaussian.q_sample(diff, x0, t, noise)
-  out = model.head(x_t, t, jnp.broadcast_to(z, (m,) + z.shape))
-  per_token = gaussian.training_loss(diff, out, x0, x_t, t, noise)
-  w = jnp.broadcast_to(mask, per_token.shape).astype(jnp.float32)
-  return jnp.sum(per_token * w) / jnp.maximum(w.sum(), 1.0)
 
 
 def init_state(config, seed: int | None = None):
@@ -93,7 +61,8 @@ def make_step_fn(graphdef, tx, config, mesh=None, state=None):
 def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
   """One jitted update: ``state = {'step', 'params', 'ema', 'opt'}`` -> (new state, metrics)."""
   key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
-  loss, grads = jax.value_and_grad(lambda p: mar_loss(nnx.merge(graphdef, p), diff, config.mar, batch, key))(
+  obj = objective.MaskedObjective.from_config(config.mar)
+  loss, grads = jax.value_and_grad(lambda p: objective.mar_loss(nnx.merge(graphdef, p), diff, obj, batch, key))(
       state["params"])
   updates, opt = tx.update(grads, state["opt"], state["params"])
   params = jax.tree.map(jnp.add, state["params"], updates)

@@ -1,8 +1,9 @@
 r"""The RL job (``config.mode = 'rl'``): MAR-GRPO fine-tuning of a base export.
 
 Each iteration: rollout (recorded, jitted) -> rewards (registry) -> group advantages -> one jitted update
-(``rl/step.py``: batch with MTE, token selection and reference, then the loss of ``rl/loss.py``) of the policy (the
-AR backbone and text encoder); the diffusion head (unless ``rl.train_head``) and the reference are separate
+(``rl/step.py``: batch with MTE, token selection and reference, then the loss of ``rl/loss.py``; or, with
+``rl.logp='mar'``, MAR's training ELBO of the tokenizer's re-encoding of the images) of the policy (the AR
+backbone and text encoder); the diffusion head (unless ``rl.train_head``) and the reference are separate
 pytrees that never reach the optimizer. ``config.rl`` is resolved once, before anything else: ``rl.fidelity=
 'official'`` writes the official value of every switch into it (docs/algorithm.md section 14), so ``config.json``
 records the values the run used, and :func:`configs_from` turns it into one validated :class:`step.StepConfig`.
@@ -28,6 +29,7 @@ from clu import metric_writers, periodic_actions
 from margrpo_jax import checkpoint, config_files, generate, optim, rng
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import objective
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import advantages, batch as batch_lib, loss as loss_lib, step as step_lib
@@ -108,8 +110,20 @@ def configs_from(config) -> step_lib.StepConfig:
     batch_lib.validate(bcfg, steps)
   except ValueError as e:
     raise config_files.ConfigError(str(e)) from None
+  if rl.logp == "mar" and (rl.sequential_updates or rl.train_head):
+    raise config_files.ConfigError("rl.logp='mar' scores whole images with MAR's training loss: it has no AR steps "
+                                   "to update in turn (rl.sequential_updates) and trains the AR side only "
+                                   "(rl.train_head)")
+  if not 0.0 <= rl.ema_decay < 1.0:
+    raise config_files.ConfigError(f"rl.ema_decay={rl.ema_decay} must lie in [0, 1) (0 = no EMA)")
+  try:
+    masked = objective.MaskedObjective.from_config(rl.mar_objective)
+    objective.validate(masked)
+  except ValueError as e:
+    raise config_files.ConfigError(str(e)) from None
   return step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
-                             num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates)
+                             num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates, masked=masked,
+                             ema_decay=float(rl.ema_decay))
 
 
 def trainable_names(config, model_cfg) -> tuple[str, ...]:
@@ -150,7 +164,18 @@ class Setup:
 
   def init_state(self) -> dict:
     policy = jax.tree.map(jnp.copy, self.policy)  # the state is donated to the step; self.policy stays valid
-    return jax.device_put(dict(step=jnp.int32(0), policy=policy, opt=self.tx.init(policy)), self.state_shardings)
+    state = dict(step=jnp.int32(0), policy=policy, opt=self.tx.init(policy))
+    if self.static.ema_decay:
+      state["ema"] = jax.tree.map(jnp.copy, self.policy)
+    return jax.device_put(state, self.state_shardings)
+
+  def trained_policy(self, state: dict) -> dict:
+    """The fine-tuned policy: its EMA when ``rl.ema_decay``, else the last iterate."""
+    return state["ema" if self.static.ema_decay else "policy"]
+
+  def trained_params(self, state: dict) -> dict:
+    """The fine-tuned model's parameters: the frozen parts with :meth:`trained_policy`."""
+    return {**self.frozen, **self.trained_policy(state)}
 
 
 def _check_rl_family(family: str) -> None:
@@ -170,6 +195,10 @@ def setup(config, params_override=None) -> Setup:
   _check_rl_family(family)  # before loading: a real checkpoint takes a while
   model_cfg, graphdef, params = params_override or checkpoint.load_model(config.checkpoint or checkpoint.resolve("shapes_base"))
   _check_rl_family(model_cfg.family)  # the export's own family (a shapes config may point at any export)
+  if config.rl.logp == "mar" and config.rl.reencode and not hasattr(checkpoint.model_class(model_cfg.family),
+                                                                     "encode_images"):
+    raise config_files.ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
+                                   "implemented: set rl.reencode=False to score the sampled tokens")
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
   names = trainable_names(config, model_cfg)
@@ -184,7 +213,8 @@ def setup(config, params_override=None) -> Setup:
   diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, config.sampling.diffusion_steps)
   rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
                                           params=params, ids_ndim=ids_ndim)
-  state_sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, ids_ndim)["out_shardings"][0]
+  state_sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, ids_ndim,
+                                     ema=bool(static.ema_decay))["out_shardings"][0]
   ref = jax.device_put(jax.tree.map(jnp.copy, policy), state_sh["policy"])  # frozen copy, never donated
   return Setup(model_cfg, graphdef, params, policy, frozen, ref, tx, step_fn, rollout_fn, diff, static, mesh,
                state_sh)
@@ -224,7 +254,12 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   if config.rl.positive_only:  # learn from the better-than-group images only (no push away from the others)
     adv = np.maximum(adv, 0.0)
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
-  state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], ro["final"], rng.stream(ro["key"], "train"))
+  final = ro["final"]
+  if config.rl.logp == "mar" and config.rl.reencode:  # the tokenizer's latents of the images the reward saw
+    family = checkpoint.model_class(s.model_cfg.family)
+    local = np.asarray(family.encode_images(s.model_cfg, ro["images"][sharding.host_rows(len(ro["images"]))]))
+    final = sharding.to_global(local, sharding.batch_sharding(s.mesh, 3))
+  state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], final, rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
   strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))
   m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
@@ -305,7 +340,7 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   mngr.wait_until_finished()
   if end < config.num_iters:
     return state
-  final_params = {**frozen, **state["policy"]}
+  final_params = s.trained_params(state)
   export = checkpoint.save_model(os.path.join(workdir, "export"), final_params, model_cfg)
   logging.info("evaluating the fine-tuned policy on the same %d prompts and seeds ...", len(eval_recs))
   final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs)

@@ -59,11 +59,13 @@ class BatchConfig:
                                    # actions that reach the image: plain REINFORCE credit assignment)
   logp: str = "chain"              # a token's log-likelihood: 'chain' = its recorded diffusion transitions (the
                                    # paper) | 'elbo' = the head's denoising ELBO of its final value x_0, at
-                                   # num_diffusion_steps noise levels of the window with fresh noise
+                                   # num_diffusion_steps noise levels of the window with fresh noise | 'mar' =
+                                   # the image's MAR training ELBO (rl/step.py: mar_update; no batch is built)
 
 
 OPTIONS = dict(mte_latent=("step", "commit"), topk_scope=("region", "all"),
-               selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"), logp=("chain", "elbo"))
+               selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"),
+               logp=("chain", "elbo", "mar"))
 
 
 def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[int, int]:

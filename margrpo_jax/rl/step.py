@@ -8,6 +8,16 @@ r"""One MAR-GRPO update as a pure, jitted function of explicit state (the RL job
    row blocks of ``B / num_minibatches`` images (PPO epochs and minibatches; the ratio is 1 at the first one), or,
    with ``sequential``, one optimizer step per scored AR step (the official DeepSpeed loop, docs/algorithm.md B8).
 
+With ``rl.logp='mar'`` an image's log-likelihood is instead MAR's own training ELBO of its final tokens
+(``models/objective.py``; ``final`` then holds the tokenizer's re-encoding of the decoded images), and
+:func:`mar_update` replaces both halves: no recorded chains are scored,
+
+    loss = mean_i A_i l_i + beta mean_i kappa_i,   l_i = L_MAR(x_i | c_i) ~ -log p(x_i | c_i) + const,
+
+``kappa_i`` the denoisers' squared distance to the reference at the same draws (docs/rl_signal.md).
+With ``ema_decay`` the state also carries ``ema = d ema + (1 - d) policy`` after every update (what is
+exported and evaluated).
+
 The trained ``policy`` lives in the donated ``state = {step, policy, opt}``; ``frozen`` (the diffusion head unless
 it is trained, the tokenizer-side parts) and ``ref`` (the frozen reference policy) are plain arguments that no
 optimizer ever sees. Everything static is one hashable :class:`StepConfig`.
@@ -25,6 +35,7 @@ from flax import nnx
 
 from margrpo_jax import optim
 from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import objective
 from margrpo_jax.parallel import sharding
 from margrpo_jax.rl import batch as batch_lib, loss as loss_lib
 from margrpo_jax.sampling import sampler as sampler_lib
@@ -39,6 +50,8 @@ class StepConfig:
   num_inner: int = 1           # passes over each rollout's batch (PPO epochs)
   num_minibatches: int = 1     # optimizer steps per pass, on consecutive blocks of B / num_minibatches rows
   sequential: bool = False     # official: one optimizer step per scored AR step instead (B8)
+  masked: objective.MaskedObjective = objective.MaskedObjective()  # rl.logp='mar': the ELBO's draws
+  ema_decay: float = 0.0       # > 0: an EMA of the policy in the state (exported and evaluated)
 
 
 def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, rec, final, key):
@@ -76,11 +89,46 @@ def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.Tr
   return dict(state, step=state["step"] + 1), jax.tree.map(jnp.mean, ms)
 
 
-def rl_step(graphdef, tx, diff, sc: StepConfig, state, frozen, ref, ids, adv, rec, final, key):
-  """:func:`build_batch` then :func:`update`, plus the selection statistics. ``frozen`` / ``ref`` are never
-  updated."""
+def mar_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref, ids, adv, tokens, key):
+  """``rl.logp='mar'``: ``num_inner`` passes of ``num_minibatches`` optimizer steps on
+  ``mean_i A_i l_i + beta mean_i kappa_i`` (module docstring) over row blocks of ``(ids, adv, tokens)``; each
+  step draws its own orders, masks and noise levels from ``key``."""
+  rows = adv.shape[0] // sc.num_minibatches
+  beta = sc.loss.beta
+
+  def one(state, u):
+    block = lambda x: jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows)
+    ids_u, adv_u, tok_u = block(ids), block(adv), block(tokens)
+
+    def objective_fn(p):
+      model = nnx.merge(graphdef, {**frozen, **p})
+      ref_model = nnx.merge(graphdef, {**frozen, **ref}) if beta else None
+      loss, mask, kl = objective.per_token(model, train_diff, sc.masked, ids_u, tok_u, jax.random.fold_in(key, u),
+                                           ref_model)
+      l_i = objective.per_image(loss, mask)
+      kl_i = objective.per_image(kl, mask) if beta else jnp.zeros_like(l_i)
+      policy = -jnp.mean(adv_u * l_i)
+      return -(policy - beta * jnp.mean(kl_i)), dict(policy=policy, kl=jnp.mean(kl_i), mar_loss=jnp.mean(l_i))
+
+    (loss, m), grads = jax.value_and_grad(objective_fn, has_aux=True)(state["policy"])
+    updates, opt = tx.update(grads, state["opt"], state["policy"])
+    policy = jax.tree.map(jnp.add, state["policy"], updates)
+    return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
+
+  state, ms = jax.lax.scan(one, state, jnp.arange(sc.num_inner * sc.num_minibatches))
+  return dict(state, step=state["step"] + 1), jax.tree.map(jnp.mean, ms)
+
+
+def rl_step(graphdef, tx, diff, sc: StepConfig, state, frozen, ref, ids, adv, rec, final, key, train_diff=None):
+  """:func:`build_batch` then :func:`update` (or :func:`mar_update` on ``train_diff``, the unrespaced
+  diffusion), plus the selection statistics and the policy's EMA. ``frozen`` / ``ref`` are never updated."""
+  if sc.batch.logp == "mar":
+    state, out = mar_update(graphdef, tx, train_diff, sc, state, frozen, ref, ids, adv, final, key)
+    return _ema(sc, state), dict(out, clip_frac=jnp.zeros(()), logp_diff=jnp.zeros(()),
+                                 tokens=jnp.float32(final.shape[0] * final.shape[1]))
   batch, info = build_batch(graphdef, diff, sc, state["policy"], frozen, ref, ids, adv, rec, final, key)
   state, out = update(graphdef, tx, diff, sc, state, frozen, batch)
+  state = _ema(sc, state)
   out["uncertain_frac"] = batch.uncertain.mean()
   out["keep_frac"] = batch.keep.sum() / jnp.maximum(batch.region.sum(), 1)  # consistency-aware selection
   masked_mean = lambda x, m: jnp.sum(x * m) / jnp.maximum(m.sum(), 1)
@@ -89,12 +137,21 @@ def rl_step(graphdef, tx, diff, sc: StepConfig, state, frozen, ref, ids, adv, re
   return state, out
 
 
-def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2) -> dict:
+def _ema(sc: StepConfig, state):
+  if not sc.ema_decay:
+    return state
+  d = sc.ema_decay
+  return dict(state, ema=jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, state["ema"], state["policy"]))
+
+
+def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2, ema: bool = False) -> dict:
   """``in_shardings`` / ``out_shardings`` of :func:`rl_step` on ``mesh``: policy, reference and optimizer
   state sharded by ``rules``, the frozen parts by theirs (the head replicated), batches over the batch axes."""
   p = sharding.param_shardings(mesh, policy, rules)
   rep = sharding.replicated(mesh)
   state = dict(step=rep, policy=p, opt=sharding.opt_shardings(mesh, tx, policy, p))
+  if ema:
+    state["ema"] = p
   b = functools.partial(sharding.batch_sharding, mesh)
   ins = (state, sharding.param_shardings(mesh, frozen, rules), p, b(ids_ndim), b(1),
          sampler_lib.Record.shardings(mesh), b(3), rep)
@@ -110,8 +167,9 @@ def compiled_step(graphdef, num_train_steps: int, respacing: str, sc: StepConfig
   tx = optim.make(ml_collections.ConfigDict(json.loads(optim_json)), names, num_iters * sc.num_inner
                   * sc.num_minibatches)
   diff = gaussian.make_diffusion(num_train_steps, respacing)
-  fn = functools.partial(rl_step, graphdef, tx, diff, sc)
+  fn = functools.partial(rl_step, graphdef, tx, diff, sc, train_diff=gaussian.make_diffusion(num_train_steps))
   if mesh is None:
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)
-  return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, ids_ndim))
+  return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, ids_ndim,
+                                                            ema=bool(sc.ema_decay)))

@@ -70,6 +70,9 @@ def main():
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
   for a in args.set:
     config_files.override(config, a)
+  if config.rl.logp == "mar":
+    raise SystemExit("grad_snr measures the chain-scored estimators (rl.logp='chain' or 'elbo'); "
+                     f"--variant={args.variant} scores whole images with rl.logp='mar'")
   s = rl_job.setup(config)
   t0 = time.time()
   ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=2000), 0)

@@ -6,8 +6,9 @@ finished runs and resumes a killed one). ``W/ablation.md`` tabulates, per varian
 iterations, the rollout strict pass rate, reward (the configured weighted sum), group diversity (std of the
 reward inside a group) and gradient norm as mean +- std over seeds, then the base and final strict pass on the eval prompts;
 ``W/ablation.png`` plots the same curves (trailing 5-iteration means; mean over seeds, band = min..max).
-``W/ablation.json`` has all of it. Seed ``n`` draws the same prompts at each iteration in every variant, so the
-table also gives each variant's reward minus the first variant's, paired by seed.
+``W/ablation.json`` has all of it. Seed ``n`` draws the same prompts at each iteration in every variant with the
+same prompts per iteration, so the table also gives each variant's rollout strict pass minus the first variant's,
+paired by seed (over the iterations both ran).
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def run(config, workdir: str) -> dict:
         hist = [json.loads(line) for line in f]
       with open(os.path.join(wd, "report.json")) as f:
         rep = json.load(f)
-      results.setdefault(variant, []).append(dict(seed=seed, history=hist, report=rep))
+      results.setdefault(variant, []).append(dict(seed=seed, history=hist, report=rep,
+                                                  prompts=(c.rl.prompts_per_iter, c.rl.group_size)))
   with open(os.path.join(workdir, "ablation.json"), "w") as f:
     json.dump(results, f)
   _table(workdir, results, config.table_every)
@@ -89,15 +91,16 @@ def _table(workdir, results, every):
               f"final {np.mean(final):.3f} +- {np.std(final):.3f} (per seed: "
               + ", ".join(f"{x:.3f}" for x in final) + ")", ""]
   names = list(results)
-  for variant in names[1:]:  # paired by seed: same prompts per iteration in every variant
+  for variant in names[1:]:  # paired by seed: same seeds, so the same prompts at each iteration where settings agree
     first, runs = results[names[0]], results[variant]
-    if [r["seed"] for r in first] != [r["seed"] for r in runs]:
-      continue
-    d = _curve(runs, "reward")
-    d = d - _curve(first, "reward")[:, :d.shape[1]]
-    lines += [f"## {variant} minus {names[0]}, reward paired by seed", "", "| iteration | reward difference |",
-              "|---|---|"]
-    for end in list(range(every, d.shape[1] + 1, every)) or [d.shape[1]]:
+    if [(r["seed"], r.get("prompts")) for r in first] != [(r["seed"], r.get("prompts")) for r in runs]:
+      continue  # other seeds or other prompts per iteration: nothing to pair
+    a, b = _curve(runs, "strict_pass"), _curve(first, "strict_pass")
+    n = min(a.shape[1], b.shape[1])
+    d = a[:, :n] - b[:, :n]
+    lines += [f"## {variant} minus {names[0]}, rollout strict pass paired by seed", "",
+              "| iteration | strict pass difference |", "|---|---|"]
+    for end in list(range(every, n + 1, every)) or [n]:
       v = np.nanmean(d[:, end - every:end], axis=1)
       lines.append(f"| {end} | {v.mean():+.3f} +- {v.std():.3f} |")
     lines.append("")

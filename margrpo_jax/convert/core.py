@@ -227,6 +227,23 @@ class Converter:
                                                  for p, why in self.ignored}}
 
 
+VIT_NORMS = ("norm1", "norm2")
+VIT_DENSES = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+
+
+def blocks(conv: Converter, dst: str, src: str, norms: tuple = VIT_NORMS, denses: tuple = VIT_DENSES) -> None:
+  """Blocks ``i = 0, 1, ...`` while the target has ``{dst}/{i}/{norms[0]}/scale``: ``{src}.{i}.{n}`` ->
+  ``{dst}/{i}/{n}`` (dots become slashes), ``norms`` by :meth:`Converter.norm`, then ``denses`` by
+  :meth:`Converter.dense`. The defaults are timm's ViT ``Block``."""
+  i = 0
+  while f"{dst}/{i}/{norms[0]}/scale" in conv.want:
+    for n in norms:
+      conv.norm(f"{dst}/{i}/{n}", f"{src}.{i}.{n}")
+    for n in denses:
+      conv.dense(f"{dst}/{i}/{n.replace('.', '/')}", f"{src}.{i}.{n}")
+    i += 1
+
+
 def abstract_params(model_cfg, build) -> dict:
   """The ``nnx.to_pure_dict`` tree of ShapeDtypeStructs of ``build(model_cfg)`` (no allocation)."""
   from flax import nnx

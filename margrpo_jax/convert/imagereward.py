@@ -11,7 +11,7 @@ Sizes are read from the weights; heads = width / 64 (ViT-L/16: 16, BERT-base: 12
 """
 from __future__ import annotations
 
-from margrpo_jax.convert.core import ConversionError, Converter, abstract_params
+from margrpo_jax.convert.core import ConversionError, Converter, abstract_params, blocks
 from margrpo_jax.models import blip
 
 PREFER = ("state_dict", "model")
@@ -56,13 +56,7 @@ def convert_vit(conv: Converter, prefix: str = VIS, dst: str = "visual") -> None
   conv.copy(f"{dst}/cls_token", prefix + "cls_token")
   conv.copy(f"{dst}/pos_embed", prefix + "pos_embed")
   conv.norm(f"{dst}/norm", prefix + "norm")
-  i = 0
-  while f"{dst}/blocks/{i}/norm1/scale" in conv.want:
-    for n in ("norm1", "norm2"):
-      conv.norm(f"{dst}/blocks/{i}/{n}", f"{prefix}blocks.{i}.{n}")
-    for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"):
-      conv.dense(f"{dst}/blocks/{i}/{n.replace('.', '/')}", f"{prefix}blocks.{i}.{n}")
-    i += 1
+  blocks(conv, f"{dst}/blocks", prefix + "blocks")
 
 
 def convert_bert(conv: Converter, prefix: str = TXT, dst: str = "text") -> None:

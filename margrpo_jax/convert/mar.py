@@ -5,7 +5,7 @@ read from the weights.
 """
 from __future__ import annotations
 
-from margrpo_jax.convert.core import ConversionError, Converter, abstract_params
+from margrpo_jax.convert.core import ConversionError, Converter, abstract_params, blocks
 from margrpo_jax.models import class_mar
 
 PREFER = ("model_ema", "model")  # docs/models.md section 1.6: use model_ema for inference
@@ -30,14 +30,7 @@ def convert_backbone(conv: Converter, prefix: str = "", dst: str = "backbone") -
   conv.dense(f"{dst}/decoder_embed", prefix + "decoder_embed")
   for part in ("encoder", "decoder"):
     conv.norm(f"{dst}/{part}_norm", f"{prefix}{part}_norm")
-    i = 0
-    while f"{dst}/{part}_blocks/{i}/norm1/scale" in conv.want:
-      src, tgt = f"{prefix}{part}_blocks.{i}", f"{dst}/{part}_blocks/{i}"
-      for n in ("norm1", "norm2"):
-        conv.norm(f"{tgt}/{n}", f"{src}.{n}")
-      for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"):
-        conv.dense(f"{tgt}/{n.replace('.', '/')}", f"{src}.{n}")
-      i += 1
+    blocks(conv, f"{dst}/{part}_blocks", f"{prefix}{part}_blocks")
 
 
 def convert_head(conv: Converter, prefix: str = "diffloss.net.", dst: str = "head") -> None:

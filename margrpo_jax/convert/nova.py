@@ -18,7 +18,7 @@ import json
 import os
 
 from margrpo_jax.convert import phi2 as phi2_convert
-from margrpo_jax.convert.core import ConversionError, Converter, abstract_params, read_checkpoint, state_dict
+from margrpo_jax.convert.core import ConversionError, Converter, abstract_params, blocks, read_checkpoint, state_dict
 from margrpo_jax.models import nova
 
 PREFER = ()
@@ -58,13 +58,7 @@ def text_encoder_dict(origin: str) -> dict:
 
 def _vit(conv: Converter, src: str, dst: str) -> None:
   conv.conv(f"{dst}/patch_embed/proj", f"{src}.patch_embed.proj")
-  i = 0
-  while f"{dst}/blocks/{i}/norm1/scale" in conv.want:
-    for n in ("norm1", "norm2"):
-      conv.norm(f"{dst}/blocks/{i}/{n}", f"{src}.blocks.{i}.{n}")
-    for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"):
-      conv.dense(f"{dst}/blocks/{i}/{n.replace('.', '/')}", f"{src}.blocks.{i}.{n}")
-    i += 1
+  blocks(conv, f"{dst}/blocks", f"{src}.blocks")
   conv.norm(f"{dst}/norm", f"{src}.norm")
 
 

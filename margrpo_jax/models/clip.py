@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from margrpo_jax.models.layers import linear, normal_param
+from margrpo_jax.models.layers import Attention, linear, normal_param
 
 LN_EPS = 1e-5
 ACTS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
@@ -63,25 +63,6 @@ def _ln(dim: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
   return nnx.LayerNorm(dim, epsilon=LN_EPS, rngs=rngs)
 
 
-class Attention(nnx.Module):
-  def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
-    if dim % heads:
-      raise ValueError(f"width {dim} is not divisible by heads {heads}")
-    self.heads = heads
-    self.qkv = linear(dim, 3 * dim, rngs)
-    self.proj = linear(dim, dim, rngs)
-
-  def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """``x`` (B, N, D); ``mask`` (N, N) bool, True where query i may attend to key j."""
-    b, n, d = x.shape
-    q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads), 2, 0)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d // self.heads) ** -0.5
-    if mask is not None:
-      logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
-    return self.proj(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, d))
-
-
 class Mlp(nnx.Module):
   def __init__(self, dim: int, hidden: int, act: str, *, rngs: nnx.Rngs):
     self.act = act
@@ -102,7 +83,7 @@ class Block(nnx.Module):
     self.mlp = Mlp(c.width, c.mlp_dim, act, rngs=rngs)
 
   def __call__(self, x, mask=None):
-    x = x + self.attn(self.norm1(x), mask)
+    x = x + self.attn(self.norm1(x), mask=mask)
     return x + self.mlp(self.norm2(x))
 
 

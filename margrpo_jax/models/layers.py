@@ -2,7 +2,8 @@
 
 Pre-norm block: ``x <- x + Attn(LN1(x))``, ``x <- x + MLP(LN2(x))``; LayerNorm eps 1e-6; fused ``qkv``
 projection laid out ``[q | k | v]`` x ``(heads, head_dim)``; softmax attention scaled by ``head_dim^-1/2``
-with an optional key mask; exact (erf) GELU MLP. No dropout: rollouts and RL forwards are deterministic.
+with an optional key mask and/or (query, key) mask; exact (erf) GELU MLP. No dropout: rollouts and RL forwards
+are deterministic.
 """
 from __future__ import annotations
 
@@ -35,14 +36,17 @@ class Attention(nnx.Module):
     self.qkv = linear(dim, 3 * dim, rngs)
     self.proj = linear(dim, dim, rngs)
 
-  def __call__(self, x: jax.Array, key_mask: jax.Array | None = None) -> jax.Array:
-    """``x``: (B, N, D); ``key_mask``: (B, N) bool, True where a key may be attended to."""
+  def __call__(self, x: jax.Array, key_mask: jax.Array | None = None, *, mask: jax.Array | None = None) -> jax.Array:
+    """``x``: (B, N, D); ``key_mask``: (B, N) bool, True where a key may be attended to; ``mask``: (N, N) bool
+    (or broadcastable to (B, heads, N, N)), True where query i may attend to key j."""
     b, n, d = x.shape
     h = self.num_heads
     q, k, v = jnp.moveaxis(self.qkv(x).reshape(b, n, 3, h, d // h), 2, 0)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d // h) ** -0.5
     if key_mask is not None:
       logits = jnp.where(key_mask[:, None, None, :], logits, jnp.finfo(logits.dtype).min)
+    if mask is not None:
+      logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
     return self.proj(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, n, d))
 

@@ -16,11 +16,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from margrpo_jax import checkpoint, config_files  # noqa: E402
+from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.diffusion import gaussian  # noqa: E402
 from margrpo_jax.jobs import pretrain  # noqa: E402
-from margrpo_jax.models import text  # noqa: E402
+from margrpo_jax.models import families, text  # noqa: E402
 from margrpo_jax.sampling import sampler as sampler_lib  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main():
   ap.add_argument("--repeats", type=int, default=2)
   args = ap.parse_args()
   config = config_files.load("shapes_pretrain")
-  graphdef, state = nnx.split(checkpoint.build_model(config.model, 0))
+  graphdef, state = nnx.split(families.build(config.model, 0))
   params = nnx.to_pure_dict(state)
   diff = gaussian.make_diffusion(1000, config.sampling.diffusion_steps)
   recs = shapes.split_records("eval")

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from margrpo_jax import checkpoint, config_files, rng
+from margrpo_jax import config_files, rng
 from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.models import families
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
                "TPU v5p": 459.0, "TPU v6 lite": 918.0}
@@ -55,7 +56,7 @@ def main():
   c.sampling.update(num_steps=a.ar_steps, diffusion_steps=str(a.diffusion_steps))
   c.rl.update(group_size=a.group_size, prompts_per_iter=a.prompts, num_ar_steps=a.scored_ar_steps,
               num_diffusion_steps=a.scored_diffusion_steps, mte_seeds=a.mte_seeds)
-  graphdef, state = nnx.split(checkpoint.build_model(c.model, seed=0))
+  graphdef, state = nnx.split(families.build(c.model, seed=0))
   s = rl_job.setup(c, (c.model, graphdef, nnx.to_pure_dict(state)))
   del state
   batch = a.group_size * a.prompts

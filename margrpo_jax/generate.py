@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from margrpo_jax import checkpoint
 from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import families
 from margrpo_jax.rewards import shapes_verifier
 from margrpo_jax.sampling import sampler as sampler_lib
 
@@ -30,8 +30,8 @@ def sampler_config(cfg) -> sampler_lib.SamplerConfig:
 def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: int, batch_size: int,
              progress: bool = False) -> np.ndarray:
   """Images (N, H, W, 3) uint8 for ``prompts`` (H, W: whatever the family decodes to)."""
-  family = checkpoint.model_class(model_cfg.family)
-  if hasattr(family, "make_sample_fn"):  # a family with its own generation loop (NOVA: flow head, its schedule)
+  family = families.get(model_cfg.family)
+  if family.own_sampler():  # a family with its own generation loop (NOVA: flow head, its schedule)
     fn = family.make_sample_fn(graphdef, model_cfg, sampling)
   else:
     diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, sampling.diffusion_steps)

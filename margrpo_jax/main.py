@@ -16,6 +16,10 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
+_ALLOW_CHANGES = flags.DEFINE_bool(
+    "allow_changes", False, "Resume a workdir whose run was started with another value of a key that only extends "
+    "it or changes how it runs (num_iters / num_steps, save and log intervals, eval.batch_size, data dirs, "
+    "parallel.*); every other difference is refused.")
 # config.mode -> the module whose run(config, workdir) does the job
 JOBS = {"pretrain": "margrpo_jax.jobs.pretrain", "sample": "margrpo_jax.jobs.sample", "rl": "margrpo_jax.jobs.rl",
         "ablation": "margrpo_jax.jobs.ablation", "plan": "margrpo_jax.jobs.plan", "export": "margrpo_jax.jobs.export",
@@ -27,9 +31,14 @@ class UserError(Exception):
   """An error with a one-sentence message for the user."""
 
 
-def _dispatch(config, workdir: str):
+def _dispatch(config, workdir: str, allow_changes: bool = False):
+  """Validate the whole config (``validate.py``), make sure a rerun is the same run, then run the job."""
+  from margrpo_jax import validate
   if config.mode not in JOBS:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
+  validate.check(config, workdir)  # every value and combination, before anything is loaded or written
+  if config.mode in validate.RESUMABLE:
+    validate.begin_run(config, workdir, allow_changes)
   importlib.import_module(JOBS[config.mode]).run(config, workdir)
 
 
@@ -56,21 +65,39 @@ def main(argv):
   jax.config.update("jax_threefry_partitionable", True)
   from margrpo_jax import checkpoint, config_files
   from margrpo_jax.data import prompt_files
+  from margrpo_jax.models import families
   from margrpo_jax.parallel import mesh
   if "parallel" in config:
     mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
   try:
-    _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)))
+    _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)), _ALLOW_CHANGES.value)
   except (UserError, config_files.ConfigError, checkpoint.CheckpointError, prompt_files.PromptFileError,
-          FileNotFoundError) as e:
-    logging.error("%s", e)
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+          families.UnknownFamily, FileNotFoundError) as e:
+    _fail(_sentence(e))
+  except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same
+    _fail(_sentence(e), code=1)
+  except checkpoint.StorageError as e:
+    _fail(_sentence(e.strerror), code=1, hard=True)
+  except OSError as e:  # disk full, read-only or vanished folders: nothing already saved is touched
+    where = f" {e.filename}" if e.filename else ""
+    _fail(f"writing or reading{where} failed: {e.strerror or e}; files already saved are untouched.", code=1,
+          hard=True)
 
 
-def _fail(msg: str):
+def _sentence(e: Exception) -> str:
+  msg = " ".join(str(e).split()).strip("'\"")
+  return msg if msg.endswith((".", "?", "!")) else msg + "."
+
+
+def _fail(msg: str, code: int = 2, hard: bool = False):
+  """Print the one sentence and exit; ``hard``: without interpreter shutdown, whose clean-up would report every
+  background save that the failure cut short (hundreds of tracebacks)."""
   print(f"error: {msg}", file=sys.stderr)
-  sys.exit(2)
+  if hard:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

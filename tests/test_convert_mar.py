@@ -19,7 +19,7 @@ from flax import nnx
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.convert import core, mar as mar_convert
 from margrpo_jax.convert.__main__ import run as convert_run
-from margrpo_jax.models import class_mar, diffusion_head, layers
+from margrpo_jax.models import class_mar, diffusion_head, families, layers
 
 torch = pytest.importorskip("torch")
 from conftest import KEYS  # noqa: E402
@@ -168,7 +168,7 @@ def test_mar_b_converts_with_full_coverage_from_the_ema_copy(mar_b_converted):
 
 def test_converted_mar_b_runs_a_forward_pass(mar_b_converted):
   cfg, params, _, _ = mar_b_converted
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(cfg)))
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: families.build(cfg)))
 
   @jax.jit  # one compile: faster than MAR-B's ops compiled one by one in eager mode
   def forward(params, labels):

@@ -14,7 +14,7 @@ from margrpo_jax import checkpoint, config_files
 from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.jobs import sample
 from margrpo_jax.data import shapes
-from margrpo_jax.models import blip
+from margrpo_jax.models import blip, families
 
 FAST = dict(num_steps=4, diffusion_steps="5")  # few AR / diffusion steps: a CPU-sized check, same for both jobs
 
@@ -82,7 +82,7 @@ def test_geneval_subset_with_a_tiny_learned_reward(tmp_path):
       "text.max_positions": 40})
   cfg_ir.head_dims = [16, 8, 8, 4]
   from flax import nnx
-  checkpoint.save_model(str(tmp_path / "ir"), nnx.to_pure_dict(nnx.state(checkpoint.build_model(cfg_ir))), cfg_ir)
+  checkpoint.save_model(str(tmp_path / "ir"), nnx.to_pure_dict(nnx.state(families.build(cfg_ir))), cfg_ir)
   words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "photo", "of", "an", "and", "two", "red", "blue"]
   (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
   cfg = _config(tmp_path / "tfds", prompt_file=str(SHARED_DATA / "geneval" / "evaluation_metadata.jsonl"),

@@ -16,7 +16,7 @@ from test_phi2 import read_keys, synthetic
 
 from margrpo_jax.convert import core, nova as nova_convert, phi2 as phi2_convert
 from margrpo_jax.diffusion import flow
-from margrpo_jax.models import nova, phi2
+from margrpo_jax.models import families, nova, phi2
 
 D, HEADS, W, TOK = 32, 2, 24, 48        # tiny widths: transformer, heads, head MLP, text feature dim
 GRID, VGRID, T = (4, 6), (2, 3), 8      # image tokens 4 x 6, video tokens 2 x 3, text length 8
@@ -439,7 +439,7 @@ def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   vparams = jax.tree.map(lambda x: np.full(x.shape, 0.01, x.dtype), nnx.to_pure_dict(nnx.state(vae_model)))
   checkpoint.save_model(str(tmp_path / "vae"), vparams, vcfg)
   model_cfg.update(tokenizer_path=str(tmp_path), vae_checkpoint=str(tmp_path / "vae"))
-  family = checkpoint.model_class(model_cfg.family)
+  family = families.get(model_cfg.family)
   ids = family.prompt_ids(model_cfg, ["a red cat", ""])
   sampling = ml_collections.ConfigDict(dict(num_steps=4, diffusion_steps="3", cfg_scale=5.0, flow_noise_level=0.7))
   fn = family.make_sample_fn(graphdef, model_cfg, sampling, record=True)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from margrpo_jax.jobs import plan
-from margrpo_jax.models import class_mar
+from margrpo_jax.models import class_mar, families
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -94,10 +94,9 @@ def test_plan_parameter_counts_equal_the_official_key_lists(size):
 def test_every_parameter_has_a_sharding_rule():
   import jax
   from flax import nnx
-  from margrpo_jax import checkpoint
   from conftest import small_model_config
   for cfg in (small_model_config(), class_mar.mar_config("base")):
-    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda cfg=cfg: checkpoint.build_model(cfg))))
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda cfg=cfg: families.build(cfg))))
     for path, x in jax.tree_util.tree_leaves_with_path(params):
       axes = sharding.logical_axes(sharding.path_str(path), len(x.shape))  # raises when no rule matches
       assert len(axes) == len(x.shape)

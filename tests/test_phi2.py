@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from margrpo_jax.convert import core, phi2 as phi2_convert
-from margrpo_jax.models import phi2
+from margrpo_jax.models import families, phi2
 
 from conftest import KEYS  # noqa: E402
 
@@ -49,13 +49,12 @@ def tiny_pair():
 def test_parity_with_transformers_phi(tiny_pair):
   """Converted weights give PhiModel's last_hidden_state (final LN included) within atol 1e-4 (float32)."""
   from flax import nnx
-  from margrpo_jax import checkpoint
   torch, ref, model_cfg, params, report = tiny_pair
   assert report["ignored"]["next-token head, unused by a text encoder (NOVA reads last_hidden_state)"] == 2
   ids = np.random.default_rng(1).integers(0, 97, (2, 11)).astype(np.int32)
   with torch.no_grad():
     want = ref.model(input_ids=torch.from_numpy(ids).long()).last_hidden_state.numpy()
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(model_cfg)))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
   nnx.replace_by_pure_dict(state, params)
   got = np.asarray(jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))(state, jnp.asarray(ids)))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -53,3 +53,16 @@ def test_consistency_filter_by_hand():
   decoded = jnp.array([[False, False, True, False]])  # decoded at this step: always kept
   np.testing.assert_array_equal(selection.consistency_filter(region, decoded, moved, 3), [[True, False, True, False]])
   np.testing.assert_array_equal(selection.consistency_filter(region, decoded, moved, 1), region)
+
+
+def test_the_step_config_dataclass_defaults_are_the_margrpo_preset():
+  """``BatchConfig`` / ``LossConfig`` defaults agree with ``configs/shapes_rl.py:margrpo`` (the one set of
+  defaults a reader sees), so code that builds them directly runs what the config would."""
+  import dataclasses
+  from margrpo_jax import config_files
+  from margrpo_jax.rl import batch as batch_lib, config as rl_config, loss as loss_lib
+  sc = rl_config.step_config(config_files.load("shapes_rl", "margrpo"))
+  for got, cls in ((sc.batch, batch_lib.BatchConfig), (sc.loss, loss_lib.LossConfig)):
+    differ = {f.name: (getattr(cls(), f.name), getattr(got, f.name)) for f in dataclasses.fields(cls)
+              if getattr(cls(), f.name) != getattr(got, f.name)}
+    assert not differ, (cls.__name__, differ)

@@ -10,6 +10,8 @@ import pytest
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.models import families
+from margrpo_jax.rl import config as rl_config
 
 
 def _config(base, **rl):
@@ -113,8 +115,8 @@ def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, 
   config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
   rl_job.run(config, str(tmp_path / "w"))
   recorded = json.loads((tmp_path / "w" / "config.json").read_text())["rl"]
-  assert {k: recorded[k] for k in rl_job.OFFICIAL} == rl_job.OFFICIAL
-  sc = rl_job.configs_from(config)
+  assert {k: recorded[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
+  sc = rl_config.step_config(config)
   assert sc.sequential and sc.loss.clip_eps == 0.0 and sc.loss.ratio == "none" and sc.batch.diffusion_window == (0, None)
 
 
@@ -145,7 +147,7 @@ def test_mar_elbo_fits_the_rewarded_images_and_exports_the_ema(tmp_path, base):
   config = _config(base[0], logp="mar", positive_only=True, ema_decay=0.5, beta=0.0, mte_seeds=0, consistency=False)
   s = rl_job.setup(config)
   ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=64), 0)
-  tokens = jnp.asarray(checkpoint.model_class("tiny").encode_images(s.model_cfg, ro["images"]))
+  tokens = jnp.asarray(families.get("tiny").encode_images(s.model_cfg, ro["images"]))
   diff, key = gaussian.make_diffusion(1000), jax.random.key(3)
   tx = optax.sgd(0.05)
   start = dict(step=jnp.int32(0), policy=s.policy, opt=tx.init(s.policy))
@@ -164,3 +166,20 @@ def test_mar_elbo_fits_the_rewarded_images_and_exports_the_ema(tmp_path, base):
   want = jax.tree.map(lambda b, p: 0.5 * b + 0.5 * p, s.policy, state["policy"])
   assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), state["ema"], want))
   assert not _same(state["ema"], state["policy"]) and s.trained_policy(state) is state["ema"]
+
+
+def test_a_diverging_run_is_stopped_before_anything_broken_is_saved(tmp_path, base):
+  """lr = 1e30 turns the parameters non-finite within a few iterations: the iteration that did it is refused in
+  one sentence, and the newest checkpoint is the last finite state."""
+  config = _config(base[0])
+  config.num_iters, config.tfds_dir, config.optim.lr = 4, str(tmp_path / "tfds"), 1e30
+  config.save.every = 1
+  with pytest.raises(checkpoint.NonFiniteError, match=r"RL iteration (\d) produced a non-finite") as e:
+    rl_job.run(config, str(tmp_path / "w"))
+  it = int(e.value.args[0].split("iteration ")[1].split()[0])
+  mngr = checkpoint.manager(str(tmp_path / "w" / "checkpoints"))
+  assert mngr.latest_step() == (it - 1 if it > 1 else None)
+  if it > 1:
+    _, state = checkpoint.restore_latest(mngr, rl_job.setup(config).init_state())
+    assert checkpoint.all_finite(state)
+  assert not (tmp_path / "w" / "export").exists() and not (tmp_path / "w" / "report.json").exists()

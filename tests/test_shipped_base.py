@@ -10,12 +10,11 @@ import numpy as np
 
 from margrpo_jax import checkpoint, config_files, generate
 from margrpo_jax.data import shapes
-from margrpo_jax.jobs import sample
 from margrpo_jax.rewards import shapes_verifier
 
 
 def test_shipped_base_draws_single_objects():
-  cfg, graphdef, params = checkpoint.load_model(sample.SHIPPED_BASE)
+  cfg, graphdef, params = checkpoint.load_model(checkpoint.resolve("shapes_base"))
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   assert 1_000_000 < n < 5_000_000  # the MAR's own parameters (the tokenizer is a separate asset)
   recs = [r for r in shapes.split_records("eval") if r["tag"] == "single_object"][:32]

@@ -75,7 +75,11 @@ def _torch_load(path: str):
 def _safetensors_load(path: str) -> dict:
   from safetensors import safe_open
   out = {}
-  with safe_open(path, framework="numpy") as f:
+  try:
+    handle = safe_open(path, framework="numpy")
+  except Exception as e:  # noqa: BLE001 - SafetensorError for a truncated file or one of another format
+    raise ConversionError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]}).") from None
+  with handle as f:
     for k in f.keys():
       try:
         out[k] = f.get_tensor(k)

@@ -18,49 +18,55 @@ import os
 import numpy as np
 from absl import logging
 
-from margrpo_jax import config_files
+from margrpo_jax import config_files, fileio, validate
 from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.rl import config as rl_config
 
 CURVES = (("strict_pass", "strict pass (rollouts)"), ("reward", "reward (weighted sum)"),
           ("group_diversity", "group diversity (reward std)"), ("grad_norm", "gradient norm"))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+def parse(config, workdir: str = "") -> list[tuple[str, int, object, str]]:
+  """``[(variant, seed, rl config, run workdir)]`` of the experiment, every run's config validated (one sentence
+  naming the variant for the first that cannot work)."""
+  rl_path = config.rl_config or "shapes_rl"
+  try:
+    seeds = [int(s) for s in str(config.seeds).split(",") if s.strip()]
+  except ValueError:
+    raise config_files.ConfigError(f"seeds={config.seeds!r} is not a comma-separated list of integers") from None
+  variants = [v.strip() for v in config.variants.split(",") if v.strip()]
+  if not seeds or not variants:
+    raise config_files.ConfigError(f"seeds={config.seeds!r} and variants={config.variants!r} must each name at "
+                                   "least one")
+  flat = validate.flatten(config.overrides.to_dict())
+  out = []
+  for variant in variants:
+    for seed in seeds:
+      try:
+        c = config_files.load(rl_path, variant + (",smoke" if config.smoke else ""))
+        c.update_from_flattened_dict(dict(flat, seed=seed, checkpoint=config.checkpoint,
+                                          tfds_dir=config.tfds_dir or os.path.join(workdir, "tfds")))
+        rl_config.resolve_fidelity(c)
+        validate.check_values(c)
+        validate.check_rl(c)
+      except (config_files.ConfigError, ValueError, KeyError, AttributeError, TypeError) as e:
+        msg = str(e).strip().strip("'\"").rstrip(".")
+        raise config_files.ConfigError(f"ablation variant {variant!r} (seed {seed}, {rl_path}): {msg}") from None
+      out.append((variant, seed, c, os.path.join(workdir, variant, f"seed{seed}")))
   return out
 
 
-def _rl_config(path: str, arg: str, overrides: dict):
-  c = config_files.load(path, arg)
-  c.update_from_flattened_dict(overrides)
-  return c
-
-
 def run(config, workdir: str) -> dict:
-  rl_path = config.rl_config or "shapes_rl"
-  seeds = [int(s) for s in str(config.seeds).split(",") if s.strip()]
-  variants = [v for v in config.variants.split(",") if v]
-  flat = _flatten(config.overrides.to_dict())
   results = {}
-  for variant in variants:
-    for seed in seeds:
-      arg = variant + (",smoke" if config.smoke else "")
-      c = _rl_config(rl_path, arg, dict(flat, seed=seed, checkpoint=config.checkpoint,
-                                        tfds_dir=config.tfds_dir or os.path.join(workdir, "tfds")))
-      wd = os.path.join(workdir, variant, f"seed{seed}")
-      if not os.path.exists(os.path.join(wd, "report.json")):
-        logging.info("ablation: %s seed %d -> %s", variant, seed, wd)
-        rl_job.run(c, wd)
-      with open(os.path.join(wd, "metrics.jsonl")) as f:
-        hist = [json.loads(line) for line in f]
-      with open(os.path.join(wd, "report.json")) as f:
-        rep = json.load(f)
-      results.setdefault(variant, []).append(dict(seed=seed, history=hist, report=rep,
-                                                  prompts=(c.rl.prompts_per_iter, c.rl.group_size)))
-  with open(os.path.join(workdir, "ablation.json"), "w") as f:
-    json.dump(results, f)
+  for variant, seed, c, wd in parse(config, workdir):
+    if not os.path.exists(os.path.join(wd, "report.json")):
+      logging.info("ablation: %s seed %d -> %s", variant, seed, wd)
+      rl_job.run(c, wd)
+    with open(os.path.join(wd, "report.json")) as f:
+      rep = json.load(f)
+    results.setdefault(variant, []).append(dict(seed=seed, history=fileio.read_jsonl(os.path.join(wd, "metrics.jsonl")),
+                                                report=rep, prompts=(c.rl.prompts_per_iter, c.rl.group_size)))
+  fileio.write_json(os.path.join(workdir, "ablation.json"), results, indent=None)
   _table(workdir, results, config.table_every)
   _plot(workdir, results)
   return results
@@ -104,8 +110,7 @@ def _table(workdir, results, every):
       v = np.nanmean(d[:, end - every:end], axis=1)
       lines.append(f"| {end} | {v.mean():+.3f} +- {v.std():.3f} |")
     lines.append("")
-  with open(os.path.join(workdir, "ablation.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
+  fileio.write_text(os.path.join(workdir, "ablation.md"), "\n".join(lines) + "\n")
 
 
 def _smooth(c, window: int):

@@ -26,13 +26,12 @@ population std over images; ``geneval`` = GenEval-style strict accuracy, present
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 from absl import logging
 
-from margrpo_jax import checkpoint, generate, visualize
+from margrpo_jax import checkpoint, fileio, generate, visualize
 from margrpo_jax.data import prompt_files, tfds_builders
 from margrpo_jax.jobs import sample
 from margrpo_jax.rewards import registry
@@ -76,7 +75,7 @@ def checkpoints(config) -> dict[str, str]:
   """``{label: path}`` from ``config.checkpoints`` (comma-separated; '' or 'base' = the shipped base)."""
   out = {}
   for i, p in enumerate([p.strip() for p in (config.checkpoints or "base").split(",")]):
-    path = sample.SHIPPED_BASE if p in ("", "base") else os.path.abspath(os.path.expanduser(p))
+    path = checkpoint.resolve("shapes_base") if p in ("", "base") else os.path.abspath(os.path.expanduser(p))
     label = "base" if p in ("", "base") else os.path.basename(os.path.normpath(path))
     out[label if label not in out else f"{label}_{i}"] = path
   return out
@@ -182,11 +181,9 @@ def run(config, workdir: str) -> dict:
     report["results"][label] = summarize(values, recs_k)
     n = min(len(images), config.grid_size)
     footers = [_footer({nm: v[i] for nm, v in values.items()}) for i in range(n)]
-    visualize.captioned_grid(images[:n], [r["prompt"] for r in recs_k[:n]], footers=footers).save(
-        os.path.join(workdir, f"grid_{label}.png"))
-  with open(os.path.join(workdir, "eval.json"), "w") as f:
-    json.dump(report, f, indent=1)
-  with open(os.path.join(workdir, "eval.md"), "w") as f:
-    f.write(markdown(report))
+    fileio.save_image(os.path.join(workdir, f"grid_{label}.png"),
+                      visualize.captioned_grid(images[:n], [r["prompt"] for r in recs_k[:n]], footers=footers))
+  fileio.write_json(os.path.join(workdir, "eval.json"), report)
+  fileio.write_text(os.path.join(workdir, "eval.md"), markdown(report))
   print(markdown(report))
   return report

@@ -14,11 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from margrpo_jax import checkpoint
 from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import families
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
-from margrpo_jax.jobs import rl as rl_job
-from margrpo_jax.rl import step as step_lib
+from margrpo_jax.rl import config as rl_config, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 GIB = 2.0 ** 30
@@ -26,7 +25,7 @@ GIB = 2.0 ** 30
 
 def param_counts(model_cfg) -> dict[str, int]:
   """Parameters per top-level component, from abstract shapes."""
-  state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: checkpoint.build_model(model_cfg))))
+  state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: families.build(model_cfg))))
   return {k: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(v)) for k, v in state.items()}
 
 
@@ -73,38 +72,34 @@ def plan(config, emit=lambda line: None) -> list[str]:
   lines += [f"mesh = {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices"]
   if not config.plan.compile:
     return list(lines)
-  if hasattr(checkpoint.model_class(config.model.family), "make_sample_fn"):
+  if families.get(config.model.family).own_sampler():
     lines += [f"compile: skipped (MAR-GRPO for the {config.model.family} family's own sampler is not implemented; "
               "--config.plan.compile=False prints the counts only)"]
     return list(lines)
   rules = sharding.hashable_rules(config.parallel.rules)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: checkpoint.build_model(config.model)))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: families.build(config.model)))
   params = nnx.to_pure_dict(state)
   params = _abstract(params, sharding.param_shardings(mesh, params, rules))
-  names = rl_job.trainable_names(config, config.model)
-  policy = {k: params[k] for k in names}
-  frozen = {k: v for k, v in params.items() if k not in names}
+  rl_config.resolve_fidelity(config)
+  static = rl_config.step_config(config, config.model)
+  policy = {k: params[k] for k in static.trainable}
+  frozen = {k: v for k, v in params.items() if k not in static.trainable}
   batch = config.rl.group_size * config.rl.prompts_per_iter
   divisor = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch % divisor:
     raise ValueError(f"rl.group_size x rl.prompts_per_iter = {batch} images is not divisible by the batch axes "
                      f"data x fsdp = {divisor}.")
-  ndim = checkpoint.model_class(config.model.family).condition_ndim  # (B,) class labels or (B, T) token ids
-  ids_shape = (batch,) if ndim == 1 else (batch, config.model.text.max_len)
+  ids_shape = (batch,) if static.ids_ndim == 1 else (batch, config.model.text.max_len)  # labels or token ids
   ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))
-  rl_job.resolve_fidelity(config)
-  static = rl_job.configs_from(config)
-  diff = gaussian.make_diffusion(config.model.diffusion.num_train_steps, config.sampling.diffusion_steps)
+  diff = gaussian.make_diffusion(static.num_train_steps, static.respacing)
   rollout = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
                                        params=params, ids_ndim=len(ids_shape))
   lowered = rollout.lower(params, ids, key)
   lines += _memory_lines("rollout", lowered.compile())
   final, rec = jax.eval_shape(rollout, params, ids, key)
-  tx, step = step_lib.compiled_step(graphdef, config.model.diffusion.num_train_steps, config.sampling.diffusion_steps,
-                                    static, config.optim.to_json(), names, config.num_iters,
-                                    mesh, rules, (sharding.signature(policy), sharding.signature(frozen)),
-                                    len(ids_shape))
+  tx, step = step_lib.compiled_step(graphdef, static, mesh, rules,
+                                    (sharding.signature(policy), sharding.signature(frozen)))
   sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
   state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
   args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import json
 import math
 import os
 import time
@@ -23,17 +22,17 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from margrpo_jax import checkpoint, generate, optim, rng
+from margrpo_jax import checkpoint, fileio, generate, optim, validate
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import objective, text, tiny
+from margrpo_jax.models import families, objective, text, tiny
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 
 
 def init_state(config, seed: int | None = None):
   """``(graphdef, tx, state)``: a fresh model, its optimizer and the train state ``{'step', 'params', 'ema',
   'opt'}`` (params as a pure dict; every component trainable, the schedule spanning ``config.num_steps``)."""
-  graphdef, state = nnx.split(checkpoint.build_model(config.model, config.seed if seed is None else seed))
+  graphdef, state = nnx.split(families.build(config.model, config.seed if seed is None else seed))
   params = nnx.to_pure_dict(state)
   tx = optim.make(config.optim, tuple(params), config.num_steps)
   return graphdef, tx, dict(step=jnp.int32(0), params=params, ema=jax.tree.map(jnp.copy, params),
@@ -93,9 +92,7 @@ def evaluate(graphdef, params, config, records: list[dict], num: int) -> tuple[d
 def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   """Train (or resume) in ``workdir``; returns the final state. ``max_steps_this_run`` simulates a kill."""
   tiny.check_tokenizer(config.model, "config.model")  # a tokenizer that does not fit the model: one sentence
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json(indent=2, sort_keys=True))
+  validate.begin_run(config, workdir)  # a rerun must be the same run
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
   data_dir = config.data.tfds_dir or os.path.join(workdir, "tfds")
   train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
@@ -129,8 +126,9 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
       if done % config.log_every == 0 or done == end:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(m["loss"]):
-          raise FloatingPointError(f"pretraining loss became {m['loss']} at step {done}; the last checkpoint "
-                                   f"in {mngr.directory} is intact.")
+          checkpoint.wait(mngr)
+          raise checkpoint.NonFiniteError(f"pretraining loss became {m['loss']} at step {done}; nothing of it was "
+                                          f"saved (the newest checkpoint in {mngr.directory} is the last good one).")
         m["steps_per_sec"] = config.log_every / max(time.time() - t_last, 1e-9)
         m_last = m
         t_last = time.time()
@@ -138,7 +136,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         logging.info("step %d/%d loss %.4f grad_norm %.3f (%.1f min)", done, config.num_steps, m["loss"],
                      m["grad_norm"], (time.time() - t0) / 60)
       if done % config.checkpoint.every == 0 or done == end:
-        mngr.save(done, args=checkpoint.ocp.args.StandardSave(train_state))
+        checkpoint.save_state(mngr, done, train_state, f"the pretraining state at step {done}")
       if config.eval.every and (done % config.eval.every == 0 or done == config.num_steps):
         num = len(eval_recs) if done == config.num_steps else config.eval.num_prompts
         res, images = evaluate(graphdef, train_state["ema"], config, eval_recs, num)
@@ -150,7 +148,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         _append_history(workdir, dict(step=done, loss=m_last.get("loss"), num_prompts=num,
                                       strict_pass=res["strict_pass"], partial=res["partial"],
                                       per_task=res["per_task"]))
-  mngr.wait_until_finished()
+  checkpoint.wait(mngr)
   if end == config.num_steps:
     out = checkpoint.save_model(os.path.join(workdir, "export"), train_state["ema"], config.model)
     logging.info("exported EMA params to %s (%.1f min in total)", out, (time.time() - t0) / 60)
@@ -161,14 +159,8 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
 def _append_history(workdir: str, row: dict) -> None:
   """One eval row per line in ``W/eval_history.jsonl`` (a resumed run drops the rows past its restart)."""
   path = os.path.join(workdir, "eval_history.jsonl")
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      rows = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] < row["step"]]
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows + [row])
-  os.replace(tmp, path)
+  if jax.process_index() == 0:
+    fileio.write_jsonl(path, [r for r in fileio.read_jsonl(path) if r.get("step", 0) < row["step"]] + [row])
 
 
 def _plot_history(workdir: str) -> None:
@@ -179,8 +171,7 @@ def _plot_history(workdir: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
+  rows = fileio.read_jsonl(path)
   fig, ax = plt.subplots(figsize=(5.5, 3.4))
   steps = [r["step"] for r in rows]
   ax.plot(steps, [r["strict_pass"] for r in rows], "k-o", label="all tasks", lw=2)
@@ -189,5 +180,5 @@ def _plot_history(workdir: str) -> None:
   ax.set(xlabel="pretraining step", ylabel="strict pass (EMA, eval split)", ylim=(0, 1))
   ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(workdir, "eval_curves.png"), dpi=120)
+  fileio.save_figure(os.path.join(workdir, "eval_curves.png"), fig)
   plt.close(fig)

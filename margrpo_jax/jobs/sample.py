@@ -12,16 +12,13 @@ else a comma-separated ``config.prompts`` (when the config has one), else the sh
 """
 from __future__ import annotations
 
-import json
 import os
 
 from absl import logging
 from PIL import Image
 
-from margrpo_jax import checkpoint, generate, visualize
+from margrpo_jax import checkpoint, fileio, generate, visualize
 from margrpo_jax.data import prompt_files, tfds_builders
-
-SHIPPED_BASE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "shapes_base")
 
 
 def load_prompts(config, workdir: str) -> list[dict]:
@@ -59,7 +56,7 @@ def load_for_sampling(config):
   if model is not None and not config.checkpoint:
     raise checkpoint.CheckpointError("config.checkpoint is not set: convert the official weights with "
                                      "`python -m margrpo_jax.convert` and pass the output folder.")
-  ckpt = config.checkpoint or SHIPPED_BASE
+  ckpt = config.checkpoint or checkpoint.resolve("shapes_base")
   model_cfg, graphdef, params = checkpoint.load_model(ckpt)
   for key in PATHS:
     if model is not None and key in model:
@@ -76,22 +73,20 @@ def run(config, workdir: str) -> dict:
   images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in recs], config.sampling,
                              seed=config.seed, batch_size=config.batch_size, progress=True)
   res = generate.score(images, [r["metadata"] for r in recs])
-  os.makedirs(os.path.join(workdir, "samples"), exist_ok=True)
   for i, im in enumerate(images):
-    Image.fromarray(im).save(os.path.join(workdir, "samples", f"{i}.png"))
+    fileio.save_image(os.path.join(workdir, "samples", f"{i}.png"), Image.fromarray(im))
   per = [dict(index=i, prompt=r["prompt"], tag=r["tag"], **(s or dict(strict=None, partial=None, noise=None)))
          for i, (r, s) in enumerate(zip(recs, res["per_image"]))]
   scores = dict(checkpoint=os.path.abspath(ckpt), seed=config.seed, num_images=len(recs),
                 num_scored=res["num_scored"], strict_pass=res["strict_pass"], partial=res["partial"],
                 noise=res["noise"], per_task=res.get("per_task", {}), per_image=per)
-  with open(os.path.join(workdir, "scores.json"), "w") as f:
-    json.dump(scores, f, indent=1)
+  fileio.write_json(os.path.join(workdir, "scores.json"), scores)
   n = min(len(recs), config.grid_size)
   footers = ["" if p["strict"] is None else ("PASS" if p["strict"] else "fail") + f" {p['partial']:.2f}"
              for p in per[:n]]
   scale = max(1, 128 // images.shape[1])  # 32 px shapes-world images x 4; 256 px and larger as they are
-  visualize.captioned_grid(images[:n], [r["prompt"] for r in recs[:n]], scale=scale, footers=footers).save(
-      os.path.join(workdir, "grid.png"))
+  fileio.save_image(os.path.join(workdir, "grid.png"), visualize.captioned_grid(
+      images[:n], [r["prompt"] for r in recs[:n]], scale=scale, footers=footers))
   if res["num_scored"]:
     print(f"strict pass rate {res['strict_pass']:.3f}, partial score {res['partial']:.3f} "
           f"on {res['num_scored']} shapes-world prompts ({workdir}/scores.json)")

@@ -17,7 +17,6 @@ Resumable like pretraining: data depend only on ``(seed, step)``; rerunning the 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 
@@ -28,9 +27,9 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from margrpo_jax import checkpoint, generate, optim, rng
+from margrpo_jax import checkpoint, fileio, generate, optim, rng, validate
 from margrpo_jax.data import shapes
-from margrpo_jax.models import vae
+from margrpo_jax.models import families, vae
 from margrpo_jax.rewards import shapes_verifier
 
 TRAINABLE = ("encoder", "decoder", "quant_conv", "post_quant_conv")
@@ -102,11 +101,9 @@ def latent_scale(graphdef, params, num: int = 1024) -> float:
 def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   """Train (or resume) in ``workdir``; export the autoencoder with its latent scale to ``W/export``.
   ``max_steps_this_run`` simulates a kill."""
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json(indent=2, sort_keys=True))
+  validate.begin_run(config, workdir)  # a rerun must be the same run
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
-  graphdef, st = nnx.split(checkpoint.build_model(config.model, config.seed))
+  graphdef, st = nnx.split(families.build(config.model, config.seed))
   params = nnx.to_pure_dict(st)
   tx = optim.make(config.optim, TRAINABLE, config.num_steps)
   state = dict(step=jnp.int32(0), params=params, opt=tx.init(params))
@@ -127,26 +124,27 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
       if done % config.log_every == 0 or done == config.num_steps:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not np.isfinite(m["loss"]):
-          raise FloatingPointError(f"tokenizer loss became {m['loss']} at step {done}; the last checkpoint in "
-                                   f"{mngr.directory} is intact.")
+          checkpoint.wait(mngr)
+          raise checkpoint.NonFiniteError(f"tokenizer loss became {m['loss']} at step {done}; nothing of it was "
+                                          f"saved (the newest checkpoint in {mngr.directory} is the last good one).")
         writer.write_scalars(done, m)
         logging.info("step %d/%d loss %.4f l1 %.4f kl %.3f latent std %.3f (%.1f min)", done, config.num_steps,
                      m["loss"], m["l1"], m["kl"], m["latent_std"], (time.time() - t0) / 60)
       if done % config.checkpoint.every == 0 or done == end:
-        mngr.save(done, args=checkpoint.ocp.args.StandardSave(state))
+        checkpoint.save_state(mngr, done, state, f"the tokenizer state at step {done}")
       if config.eval.every and done % config.eval.every == 0 and done < config.num_steps:
         fig = round_trip_figures(graphdef, state["params"], config.eval.num_images)
         writer.write_scalars(done, {f"eval/{k}": v for k, v in fig.items()})
         logging.info("step %d round trip: %s", done, fig)
-  mngr.wait_until_finished()
+  checkpoint.wait(mngr)
   if end < config.num_steps:
     return state
   model_cfg = config.model.copy_and_resolve_references()
   model_cfg.scale = latent_scale(graphdef, state["params"])
   fig = round_trip_figures(graphdef, state["params"], 4 * config.eval.num_images)
   out = checkpoint.save_model(os.path.join(workdir, "export"), state["params"], model_cfg)
-  with open(os.path.join(workdir, "tokenizer.json"), "w") as f:
-    json.dump(dict(round_trip=fig, scale=model_cfg.scale, steps=config.num_steps), f, indent=2)
+  fileio.write_json(os.path.join(workdir, "tokenizer.json"), dict(round_trip=fig, scale=model_cfg.scale,
+                                                                  steps=config.num_steps), indent=2)
   logging.info("round trip on %d eval renders: %s; latent scale %.4f; exported to %s (%.1f min)",
                fig["num_images"], fig, model_cfg.scale, out, (time.time() - t0) / 60)
   return state

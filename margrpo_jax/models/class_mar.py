@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from margrpo_jax.models import families
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.layers import normal_param
 from margrpo_jax.models.mar import MARBackbone
@@ -57,7 +58,7 @@ class ClassConditionedBackbone(MARBackbone):
     return jnp.broadcast_to(self.fake_latent[...][None], (batch, self.buffer_size, self.width))
 
 
-class ClassMAR(nnx.Module):
+class ClassMAR(families.Generator):
   """Components: ``backbone`` (AR transformer with the class embedding) and ``head`` (SimpleMLPAdaLN)."""
 
   policy_components = ("backbone",)

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from margrpo_jax.checkpoint import CheckpointError
-from margrpo_jax.models import class_mar, qwen2, qwen_tokenizer
+from margrpo_jax.models import class_mar, families, qwen2, qwen_tokenizer
 from margrpo_jax.models.class_mar import ClassConditionedBackbone
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.layers import linear
@@ -90,7 +90,7 @@ class _Backbone:
     return self._model.forward(tokens, mask, cond)
 
 
-class Harmon(nnx.Module):
+class Harmon(families.Generator):
   """Components ``mar`` (trained), ``llm``, ``proj_in``, ``proj_out``, ``head`` (frozen)."""
 
   policy_components = ("mar",)

@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from margrpo_jax.models import phi2
+from margrpo_jax.models import families, phi2
 from margrpo_jax.models.diffusion_head import timestep_embedding
 from margrpo_jax.models.layers import Attention, Mlp, linear
 
@@ -278,7 +278,7 @@ class DiffusionMLP(nnx.Module):
     return self.head(self.norm(h, cond)[0])
 
 
-class NOVA(nnx.Module):
+class NOVA(families.Generator):
   """Components: ``text_encoder`` (Phi-2), ``null_text``, ``backbone``, ``head`` (DiffusionMLP)."""
 
   policy_components = ("backbone",)  # official NOVA RL: the transformer without its head (fix_head=True)

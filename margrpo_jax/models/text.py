@@ -21,6 +21,11 @@ VOCAB = ("<pad>", "<unk>", "a", "above", "and", "below", "blue", "circle", "circ
 _INDEX = {w: i for i, w in enumerate(VOCAB)}
 
 
+def num_words(prompt: str) -> int:
+  """The number of words :func:`tokenize` reads from ``prompt`` before cutting."""
+  return len(re.findall(r"[a-z]+", prompt.lower()))
+
+
 def tokenize(prompts: list[str], max_len: int) -> np.ndarray:
   """Lower-cased words -> ids (unknown words -> ``<unk>``), truncated / right-padded to ``max_len``."""
   out = np.full((len(prompts), max_len), PAD, np.int32)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from margrpo_jax import checkpoint
 from margrpo_jax.data import shapes
-from margrpo_jax.models import text
+from margrpo_jax.models import families, text
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.mar import MARBackbone
 
@@ -52,7 +53,7 @@ def check_tokenizer(model_cfg: ml_collections.ConfigDict, what: str = "model") -
                                      f"makes {want[0]} tokens of {want[1]} values.")
 
 
-class TinyMAR(nnx.Module):
+class TinyMAR(families.Generator):
   """Components: ``text_encoder`` (condition), ``backbone`` (AR transformer), ``head`` (diffusion head)."""
 
   policy_components = ("text_encoder", "backbone")  # what RL trains (plus ``head`` when it is not frozen)
@@ -79,7 +80,12 @@ class TinyMAR(nnx.Module):
 
   @staticmethod
   def prompt_ids(model_cfg: ml_collections.ConfigDict, prompts: list[str]) -> np.ndarray:
-    """Shapes-world token ids (N, text.max_len) int32."""
+    """Shapes-world token ids (N, text.max_len) int32; prompts longer than that are cut, with one warning."""
+    longest = max((text.num_words(p) for p in prompts), default=0)
+    if longest > model_cfg.text.max_len:
+      over = sum(text.num_words(p) > model_cfg.text.max_len for p in prompts)
+      logging.warning("%d prompt(s) have more than the %d words the model reads (the longest: %d); each is cut to "
+                      "its first %d words.", over, model_cfg.text.max_len, longest, model_cfg.text.max_len)
     return text.tokenize(prompts, model_cfg.text.max_len)
 
   @staticmethod

@@ -38,8 +38,9 @@ from margrpo_jax.sampling import sampler as sampler_lib
 
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
-  num_ar_steps: int = 4            # M selected AR steps per rollout
-  num_diffusion_steps: int = 8     # k diffusion steps scored per AR step (0: every step of the window)
+  """How a rollout becomes a training batch; the defaults are ``configs/shapes_rl.py:margrpo``'s."""
+  num_ar_steps: int = 2            # M selected AR steps per rollout
+  num_diffusion_steps: int = 4     # k diffusion steps scored per AR step (0: every step of the window)
   diffusion_window: tuple[int, int] = (1, -3)  # scored steps among list positions [lo, hi) of the T transitions
                                    # x_n -> x_{n+1} (j = T - 1 - n; negative: from the end; hi None: to the end).
                                    # (1, -3) drops the saturated first step (t = 999) and the near-deterministic
@@ -129,7 +130,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
   cond, null = model.condition(ids), model.null_condition(b)
   steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
-  # With group-shared noise the scored steps are the ones whose noise varied (train.configs_from sets the sampler's
+  # With group-shared noise the scored steps are the ones whose noise varied (rl/config.py sets the sampler's
   # vary_steps = num_ar_steps).
   varied_steps = jnp.nonzero(rec.varied, size=bcfg.num_ar_steps, fill_value=0)[0]
   steps = jnp.where(jnp.all(rec.varied), steps, varied_steps)

@@ -34,6 +34,7 @@ from margrpo_jax.sampling.sampler import head_output, transition_logp
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
+  """The loss's switches; the defaults are ``configs/shapes_rl.py:margrpo``'s."""
   beta: float = 0.01                # KL weight
   clip_eps: float = 0.2             # PPO ratio clipping (0: no clipping)
   ratio: str = "rollout"            # 'rollout': rho against the rollout log-probs | 'none': official, rho = 1
@@ -41,7 +42,7 @@ class LossConfig:
   channel_reduction: str = "sum"    # per-token log-prob: 'sum' (Harmon) | 'mean' (NOVA) over channels
   cfg_in_loss: bool = True          # score under the guided mean the rollout sampled from (official: False)
   temperature: float = 1.0
-  clip_denoised: float = 0.0        # clip radius of x0_hat (the sampler's)
+  clip_denoised: float = 5.0        # clip radius of x0_hat (the sampler's; 0 = none)
   remat: bool = False               # recompute each AR step's forward in the backward pass (real sizes)
   sigma_grad: bool = True           # the policy's sigma(z) differentiable in both the log-prob and the KL | both
                                     # detached (official: the rollout's sigma, gradient through the mean only)

@@ -52,6 +52,12 @@ class StepConfig:
   sequential: bool = False     # official: one optimizer step per scored AR step instead (B8)
   masked: objective.MaskedObjective = objective.MaskedObjective()  # rl.logp='mar': the ELBO's draws
   ema_decay: float = 0.0       # > 0: an EMA of the policy in the state (exported and evaluated)
+  respacing: str = "25"        # the rollout's diffusion steps (a respacing of num_train_steps)
+  optim: str = "{}"            # config.optim as JSON (hashable)
+  total_steps: int = 1         # optimizer steps over the run (the learning-rate schedule's length)
+  num_train_steps: int = 1000  # the base's diffusion training steps
+  trainable: tuple[str, ...] = ()  # the components the optimizer sees (the policy)
+  ids_ndim: int = 2            # condition rank: 1 for class labels, 2 for token ids
 
 
 def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, rec, final, key):
@@ -159,17 +165,15 @@ def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2, ema: bool
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(graphdef, num_train_steps: int, respacing: str, sc: StepConfig, optim_json: str, names: tuple,
-                  num_iters: int, mesh=None, rules=None, sigs=None, ids_ndim: int = 2):
+def compiled_step(graphdef, sc: StepConfig, mesh=None, rules=None, sigs=None):
   """``(tx, jitted rl_step)`` shared by every run in the process with the same static configuration; the
   train state is donated, the frozen parts and the reference are plain (never donated) arguments. With a
   ``mesh``, ``sigs`` (:func:`sharding.signature` of policy and frozen) give the explicit shardings."""
-  tx = optim.make(ml_collections.ConfigDict(json.loads(optim_json)), names, num_iters * sc.num_inner
-                  * sc.num_minibatches)
-  diff = gaussian.make_diffusion(num_train_steps, respacing)
-  fn = functools.partial(rl_step, graphdef, tx, diff, sc, train_diff=gaussian.make_diffusion(num_train_steps))
+  tx = optim.make(ml_collections.ConfigDict(json.loads(sc.optim)), sc.trainable, sc.total_steps)
+  diff = gaussian.make_diffusion(sc.num_train_steps, sc.respacing)
+  fn = functools.partial(rl_step, graphdef, tx, diff, sc, train_diff=gaussian.make_diffusion(sc.num_train_steps))
   if mesh is None:
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)
-  return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, ids_ndim,
+  return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim,
                                                             ema=bool(sc.ema_decay)))

@@ -1,0 +1,117 @@
+r"""The RL run's configuration: ``config.rl`` (with ``sampling`` and ``optim``) resolved and validated into the
+one static :class:`step.StepConfig` the jitted update is built from.
+
+``rl.fidelity='official'`` is resolved first, in place: :func:`resolve_fidelity` writes the official code's value
+of every switch (:data:`OFFICIAL`, docs/algorithm.md sections 13-14) into ``config.rl``, so the config that is
+recorded and run is the one that was checked. :func:`step_config` raises :class:`config_files.ConfigError` in one
+sentence for an impossible option string, window or combination.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from margrpo_jax import config_files
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import families, objective
+from margrpo_jax.rewards import registry
+from margrpo_jax.rl import batch as batch_lib, loss as loss_lib, step as step_lib
+from margrpo_jax.sampling import sampler as sampler_lib
+
+
+def parse_window(window: str) -> tuple[int, int | None]:
+  """``'lo:hi'`` (Python slice bounds over the chain's list positions; either may be empty) -> ``(lo, hi)``."""
+  parts = str(window).split(":")
+  try:
+    if len(parts) != 2:
+      raise ValueError
+    return int(parts[0] or 0), int(parts[1]) if parts[1].strip() else None
+  except ValueError:
+    raise config_files.ConfigError(f"rl.diffusion_window={window!r} is not 'lo:hi' (list positions of the "
+                                   "diffusion chain, Python slice bounds, e.g. '1:-3' or ':')") from None
+
+
+LOSS_OPTIONS = dict(fidelity=("intended", "official"), ratio=("rollout", "none"), kl=("gaussian", "official"),
+                    channel_reduction=("sum", "mean"), advantage=("grpo", "drgrpo", "rloo"),
+                    mte_actual=("keep", "include", "replace"), reward_norm=registry.NORMALIZE)
+
+# rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14)
+OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,
+                topk_scope="all", selection_chains="scored", clip_eps=0.0, ratio="none", kl="official",
+                cfg_in_loss=False, sigma_grad=False, mte_actual="replace", sequential_updates=True)
+
+
+def resolve_fidelity(config) -> list[str]:
+  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` (in place); returns the
+  ``key=value`` assignments that changed something."""
+  if config.rl.fidelity != "official":
+    return []
+  changed = [f"rl.{k}={v!r}" for k, v in OFFICIAL.items() if config.rl[k] != v]
+  config.rl.update(OFFICIAL)
+  return changed
+
+
+def step_config(config, model_cfg=None) -> step_lib.StepConfig:
+  """The static :class:`step.StepConfig` of ``config`` (already resolved by :func:`resolve_fidelity`),
+  validated: an impossible option, window or combination raises :class:`config_files.ConfigError` in one
+  sentence, before anything is loaded. With the base's ``model_cfg`` its own fields are filled in too (the
+  diffusion's training steps, the trained components, the condition rank)."""
+  rl = config.rl
+  for name, allowed in LOSS_OPTIONS.items():
+    if rl[name] not in allowed:
+      raise config_files.ConfigError(f"rl.{name}={rl[name]!r} is not one of {', '.join(allowed)}")
+  if rl.group_size < 2 or rl.prompts_per_iter < 1:
+    raise config_files.ConfigError(f"rl.group_size={rl.group_size} must be >= 2 and rl.prompts_per_iter="
+                                   f"{rl.prompts_per_iter} >= 1 (group advantages need two images per prompt)")
+  images = rl.group_size * rl.prompts_per_iter
+  if rl.num_inner < 1 or rl.num_minibatches < 1 or images % rl.num_minibatches:
+    raise config_files.ConfigError(f"rl.num_inner={rl.num_inner} must be >= 1 and rl.num_minibatches="
+                                   f"{rl.num_minibatches} >= 1 and divide the {images} images of an iteration")
+  if rl.num_ar_steps < 0 or rl.num_ar_steps > config.sampling.num_steps:
+    raise config_files.ConfigError(f"rl.num_ar_steps={rl.num_ar_steps} must lie in [0, sampling.num_steps="
+                                   f"{config.sampling.num_steps}] (0 = every AR step)")
+  num_ar = rl.num_ar_steps or config.sampling.num_steps
+  scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
+                                   cfg_schedule=config.sampling.cfg_schedule,
+                                   temperature=config.sampling.temperature, guidance=True,
+                                   clip_denoised=float(config.sampling.clip_denoised),
+                                   order_group=rl.group_size if rl.shared_order or rl.shared_noise else 1,
+                                   vary_steps=num_ar if rl.shared_noise else 0)
+  bcfg = batch_lib.BatchConfig(num_ar_steps=num_ar, num_diffusion_steps=rl.num_diffusion_steps,
+                               diffusion_window=parse_window(rl.diffusion_window), mte_seeds=rl.mte_seeds,
+                               topk_fraction=rl.topk_fraction, consistency=rl.consistency,
+                               mask_after_step=rl.mask_after_step, mte_latent=rl.mte_latent,
+                               mte_commit_guided=rl.mte_commit_guided, topk_scope=rl.topk_scope,
+                               selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens,
+                               logp=rl.logp)
+  lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=rl.ratio, kl=rl.kl,
+                             channel_reduction=rl.channel_reduction, cfg_in_loss=rl.cfg_in_loss,
+                             temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
+                             remat=rl.remat, sigma_grad=rl.sigma_grad, mte_actual=rl.mte_actual,
+                             logp=rl.logp)
+  steps = gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps
+  try:
+    batch_lib.validate(bcfg, steps)
+  except ValueError as e:
+    raise config_files.ConfigError(str(e)) from None
+  if rl.logp == "mar" and (rl.sequential_updates or rl.train_head):
+    raise config_files.ConfigError("rl.logp='mar' scores whole images with MAR's training loss: it has no AR steps "
+                                   "to update in turn (rl.sequential_updates) and trains the AR side only "
+                                   "(rl.train_head)")
+  if not 0.0 <= rl.ema_decay < 1.0:
+    raise config_files.ConfigError(f"rl.ema_decay={rl.ema_decay} must lie in [0, 1) (0 = no EMA)")
+  try:
+    masked = objective.MaskedObjective.from_config(rl.mar_objective)
+    objective.validate(masked)
+  except ValueError as e:
+    raise config_files.ConfigError(str(e)) from None
+  sc = step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
+                           num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates, masked=masked,
+                           ema_decay=float(rl.ema_decay), respacing=str(config.sampling.diffusion_steps),
+                           optim=config.optim.to_json(sort_keys=True),
+                           total_steps=config.num_iters * rl.num_inner * rl.num_minibatches)
+  if model_cfg is None:
+    return sc
+  family = families.get(model_cfg.family)
+  trainable = family.policy_components + (("head",) if rl.train_head else ())
+  return dataclasses.replace(sc, num_train_steps=int(model_cfg.diffusion.num_train_steps), trainable=trainable,
+                             ids_ndim=family.condition_ndim)

@@ -1,0 +1,283 @@
+"""Every config value a user can set, checked when the config is read: before any model is loaded, any image
+generated or anything in the workdir touched.
+
+:func:`check` (the entry point calls it on the run's one config object) raises
+:class:`config_files.ConfigError` with one sentence naming the key and value for
+
+- a value out of its range (counts, rates, probabilities, finite floats), an option string not among its choices;
+- a combination that cannot work (the RL switches, ``rl/step.py``'s :class:`StepConfig`; a reward weight with no
+  reward behind it; mesh sizes vs the device count vs the batch);
+- a workdir that is a file or cannot be written; a checkpoint that is not a model export, or of a family the
+  mode cannot use.
+
+It also resolves ``rl.fidelity='official'`` into the switches it implies (in place), so the config that is
+checked, recorded in ``config.json`` and run is one and the same.
+
+:func:`begin_run` makes "resume" mean "the same run": a workdir whose ``config.json`` differs from the config is
+refused with the differing keys listed; with ``allow_changes`` the keys of :data:`SAFE_TO_CHANGE` (e.g.
+``num_iters``, to extend a run) may differ, and ``config.json`` is rewritten with the values in effect.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+from absl import logging
+
+from margrpo_jax import checkpoint, fileio
+from margrpo_jax.config_files import ConfigError
+
+INF = math.inf
+
+# key -> smallest allowed integer (checked where the config has the key)
+AT_LEAST = {
+    "seed": 0, "num_iters": 1, "num_steps": 1, "batch_size": 1, "log_every": 1, "log_images_every": 1,
+    "eval.batch_size": 1, "eval.num_prompts": 1, "eval.seed": 0, "eval.every": 0, "eval.num_images": 1,
+    "save.every": 1, "save.keep": 1, "checkpoint.every": 1, "checkpoint.keep": 1, "grid_size": 0,
+    "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1,
+    "sampling.num_steps": 1, "optim.warmup_steps": 0, "mar.diffusion_batch_mul": 1,
+    "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.mte_seeds": 0,
+    "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1,
+    "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
+    "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1,
+}
+# key -> (low, high, low included, high included) for floats (NaN is never in range)
+IN_RANGE = {
+    "optim.lr": (0, INF, False, False), "optim.b1": (0, 1, True, False), "optim.b2": (0, 1, True, False),
+    "optim.eps": (0, INF, False, False), "optim.weight_decay": (0, INF, True, False),
+    "optim.grad_clip": (0, INF, False, False), "optim.final_lr_frac": (0, 1, True, True),
+    "ema_decay": (0, 1, True, False), "beta": (0, INF, True, False),
+    "mar.label_drop": (0, 1, True, False), "mar.mask_ratio_min": (0, 1, True, True),
+    "mar.mask_ratio_std": (0, INF, True, False),
+    "sampling.cfg_scale": (0, INF, True, False), "sampling.temperature": (0, INF, False, False),
+    "sampling.clip_denoised": (0, INF, True, False), "sampling.flow_noise_level": (0, INF, True, False),
+    "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.topk_fraction": (0, 1, True, True),
+    "rl.ema_decay": (0, 1, True, False), "rl.flow_noise_level": (0, INF, True, False),
+    "rl.mar_objective.label_drop": (0, 1, True, False),
+    "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
+}
+OPTIONS = {
+    "optim.decay": ("constant", "cosine"), "sampling.cfg_schedule": ("linear", "constant"),
+    "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": ("cosine", "uniform"),
+    "rl.mar_objective.mask_ratio": ("cosine", "uniform"),
+}
+# keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
+SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
+                  "log_every", "log_images_every", "eval.batch_size", "tfds_dir", "data.tfds_dir", "export.dir",
+                  "export.dtype", "parallel.")
+RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _has(config, key: str):
+  node = config
+  for part in key.split("."):
+    if not hasattr(node, "keys") or part not in node:
+      return False, None
+    node = node[part]
+  return True, node
+
+
+def check_values(config) -> None:
+  """Ranges and option strings of every key the config has (tables above)."""
+  for key, low in AT_LEAST.items():
+    present, v = _has(config, key)
+    if present and not isinstance(v, (dict,)) and hasattr(v, "__int__") and v < low:
+      raise ConfigError(f"{key}={v} must be at least {low}")
+  for key, (lo, hi, lo_in, hi_in) in IN_RANGE.items():
+    present, v = _has(config, key)
+    if not present or isinstance(v, bool) or not isinstance(v, (int, float)):
+      continue
+    ok = math.isfinite(v) and (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
+    if not ok:
+      span = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}".replace("inf", "inf")
+      raise ConfigError(f"{key}={v} must be a finite number in {span}")
+  for key, allowed in OPTIONS.items():
+    present, v = _has(config, key)
+    if present and v not in allowed:
+      raise ConfigError(f"{key}={v!r} is not one of {', '.join(allowed)}")
+  present, steps = _has(config, "sampling.diffusion_steps")
+  if present:
+    from margrpo_jax.diffusion import gaussian
+    try:
+      n = gaussian.make_diffusion(1000, str(steps)).num_steps
+      if n < 1:
+        raise ValueError
+    except (ValueError, KeyError, IndexError, ZeroDivisionError):
+      raise ConfigError(f"sampling.diffusion_steps={steps!r} is not a respacing of 1000 steps (e.g. '25', "
+                        "'ddim50')") from None
+  if "rl" in config:
+    for name, w in config.rl.get("rewards", {}).items():
+      if isinstance(w, (int, float)) and not math.isfinite(w):
+        raise ConfigError(f"rl.rewards.{name}={w} must be a finite weight")
+
+
+def check_workdir(workdir: str) -> None:
+  """The workdir is (or can become) a writable folder."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir={workdir} is a file, not a folder")
+  parent = workdir
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise ConfigError(f"--workdir={workdir} cannot be created: {parent} is a file")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir={workdir} cannot be written (no write permission on {parent})")
+
+
+def check_mesh(config) -> None:
+  """Mesh sizes vs the device count, and the batches the mode splits over the batch axes."""
+  if "parallel" not in config:
+    return
+  from margrpo_jax.parallel import mesh as mesh_lib
+  try:
+    shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(config.parallel.mesh, jax.device_count())))
+  except ValueError as e:
+    raise ConfigError(str(e).rstrip(".")) from None
+  split = shape["data"] * shape["fsdp"]
+  if config.mode == "rl":
+    images = config.rl.group_size * config.rl.prompts_per_iter
+    rows = images // max(config.rl.num_minibatches, 1)
+    if images % split or rows % split:
+      raise ConfigError(f"rl.group_size x rl.prompts_per_iter = {images} images ({rows} per minibatch) cannot be "
+                        f"split over the batch axes data x fsdp = {split} of parallel.mesh={shape}")
+  elif config.mode == "pretrain" and config.batch_size % split:
+    raise ConfigError(f"batch_size={config.batch_size} cannot be split over the batch axes data x fsdp = {split} "
+                      f"of parallel.mesh={shape}")
+
+
+def _check_export(path: str, what: str, mode: str):
+  model_cfg = checkpoint.check_export(checkpoint.resolve(path), what)
+  from margrpo_jax.models import families
+  try:
+    cls = families.generator(model_cfg.family, f"{what} {checkpoint.resolve(path)}")
+  except families.UnknownFamily as e:
+    raise ConfigError(str(e).rstrip(".")) from None
+  return model_cfg, cls
+
+
+def check_rl(config) -> None:
+  from margrpo_jax.rewards import registry
+  from margrpo_jax.rl import config as rl_config
+  rl_config.step_config(config)
+  weights = {k: v for k, v in config.rl.rewards.items() if v}
+  if not weights:
+    raise ConfigError("rl.rewards gives every reward weight 0: set at least one (e.g. rl.rewards.shapes_strict=1)")
+  unknown = [k for k in weights if k not in registry.names()]
+  if unknown:
+    raise ConfigError(f"rl.rewards.{unknown[0]} is not a reward in the registry ({', '.join(registry.names())})")
+  for name in weights:
+    if name in registry.LEARNED and not config.rewards[name].get("checkpoint"):
+      raise ConfigError(f"rl.rewards.{name}={weights[name]} needs rewards.{name}.checkpoint (a converted reward "
+                        "model; python -m margrpo_jax.convert)")
+  path = config.checkpoint or ("shapes_base" if not config.get("model") else "")
+  if not path:
+    raise ConfigError(f"config.checkpoint is not set: a {config.model.family} run needs a converted export "
+                      "(python -m margrpo_jax.convert)")
+  model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
+  if cls.own_sampler():
+    raise ConfigError(f"config.checkpoint {checkpoint.resolve(path)} holds a {model_cfg.family} model: MAR-GRPO "
+                      "for its own sampler and flow head is not implemented (the loss is Gaussian-head only)")
+  if config.rl.logp == "mar" and config.rl.reencode and not cls.can_encode():
+    raise ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
+                      "implemented: set rl.reencode=False to score the sampled tokens")
+  if any(k in registry.NEEDS_SHAPES for k in weights) and model_cfg.family != "tiny":
+    raise ConfigError(f"rl.rewards.{next(k for k in weights if k in registry.NEEDS_SHAPES)} is a shapes-world "
+                      f"verifier reward, but config.checkpoint holds a {model_cfg.family} model")
+
+
+def check_eval(config) -> None:
+  from margrpo_jax.rewards import registry
+  entries = [p.strip() for p in (config.checkpoints or "base").split(",")]
+  if any(not p for p in entries):
+    raise ConfigError(f"checkpoints={config.checkpoints!r} has an empty entry (write 'base' for the shipped base)")
+  for p in entries:
+    if p != "base":
+      _check_export(p, "checkpoints entry", "eval")
+  names = [n.strip() for n in config.reward_names.split(",") if n.strip()]
+  bad = [n for n in names if n not in registry.names()]
+  if bad:
+    raise ConfigError(f"reward_names has {', '.join(bad)}, not in the registry ({', '.join(registry.names())})")
+
+
+def check_sample(config) -> None:
+  if config.checkpoint:
+    _check_export(config.checkpoint, "config.checkpoint", "sample")
+  elif config.get("model"):
+    raise ConfigError("config.checkpoint is not set: convert the official weights with `python -m "
+                      "margrpo_jax.convert` and pass the output folder")
+
+
+def check_ablation(config) -> None:
+  from margrpo_jax.jobs import ablation
+  ablation.parse(config)
+
+
+def check_prompt_file(config) -> None:
+  path = config.get("prompt_file")
+  if path and not os.path.isfile(os.path.expanduser(path)):
+    raise ConfigError(f"prompt_file {path} does not exist or is not a file")
+
+
+MODE_CHECKS = {"rl": check_rl, "eval": check_eval, "sample": check_sample, "ablation": check_ablation}
+
+
+def check(config, workdir: str) -> None:
+  """All of the above for ``config.mode``; resolves ``rl.fidelity`` in place first."""
+  if "rl" in config:
+    from margrpo_jax.rl import config as rl_config
+    for change in rl_config.resolve_fidelity(config):
+      logging.info("rl.fidelity='official' sets %s", change)
+  check_values(config)
+  if config.mode != "plan":
+    check_workdir(workdir)
+  check_mesh(config)
+  check_prompt_file(config)
+  if config.mode in MODE_CHECKS:
+    MODE_CHECKS[config.mode](config)
+
+
+def _config_dict(config) -> dict:
+  return json.loads(config.to_json(sort_keys=True))
+
+
+def _safe(key: str) -> bool:
+  return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_TO_CHANGE)
+
+
+def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
+  """Record ``config`` in ``W/config.json``, or check it is the config the workdir's run was started with.
+
+  A difference is refused in one sentence listing the keys (nothing written); with ``allow_changes`` the keys
+  of :data:`SAFE_TO_CHANGE` may differ and ``config.json`` then records the new values."""
+  path = os.path.join(workdir, "config.json")
+  now = _config_dict(config)
+  before = fileio.read_json(path) if os.path.isdir(os.path.join(workdir, "checkpoints")) else None
+  if isinstance(before, dict):
+    a, b = flatten(before), flatten(now)
+    diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    unsafe = [k for k in diff if not (allow_changes and _safe(k))]
+    if unsafe:
+      shown = ", ".join(f"{k} ({a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r})" for k in unsafe[:6])
+      more = f" and {len(unsafe) - 6} more" if len(unsafe) > 6 else ""
+      safe_hint = ("; --allow_changes resumes it with these (keys that only extend a run or change how it runs)"
+                   if not allow_changes and all(_safe(k) for k in unsafe) else "")
+      verb = "differs" if len(unsafe) == 1 else "differ"
+      raise ConfigError(f"{workdir} holds a run started with another config: {shown}{more} {verb}; rerun with "
+                        f"the same config or use a new --workdir{safe_hint}")
+    if not diff:
+      return
+    logging.warning("resuming %s with changed %s", workdir, ", ".join(diff))
+  if jax.process_index() == 0:
+    fileio.write_text(path, config.to_json(indent=2, sort_keys=True))

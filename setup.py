@@ -12,5 +12,6 @@ setup(
     package_data={"margrpo_jax": ["assets/**/*", "assets/*"]},
     include_package_data=True,
     python_requires=">=3.10",
+    license="MIT",
     install_requires=requirements,
 )

@@ -337,3 +337,27 @@ def test_generate_decodes_through_a_vae_export(converted, tmp_path):
   images = generate.generate(graphdef, params, model_cfg, ["a red apple", "a blue car"], sampling, seed=0,
                              batch_size=1)
   assert images.shape == (2, 16, 16, 3) and images.dtype == np.uint8
+
+
+def test_export_official_round_trip(torch_harmon, tmp_path):
+  """Harmon's flat .pth -> convert -> export -> export_official: the same keys and values bit for bit (the tied LM
+  head and every key the converter ignores kept from the template), and a changed MAR reads back exactly."""
+  import torch
+  from margrpo_jax.convert import official
+  from test_export_official import round_trip_checks
+  cfg, _, sd = torch_harmon
+  template = str(tmp_path / "harmon.pth")
+  torch.save({k: torch.from_numpy(v) for k, v in sd.items()}, template)
+
+  def convert(path):
+    flat = core.state_dict(core.read_checkpoint(path), prefer=convert_harmon.PREFER, origin=path)
+    cfg_out, params, _ = convert_harmon.convert(flat, origin=path, model_cfg=cfg.copy_and_resolve_references())
+    return cfg_out, params
+  export = checkpoint.save_model(str(tmp_path / "export"), *convert(template)[::-1])
+  official.export("harmon", export, template, str(tmp_path / "out.pth"))
+  written = {k: v.numpy() for k, v in torch.load(tmp_path / "out.pth", weights_only=True).items()}
+
+  def convert_again(tuned_dir):
+    official.export("harmon", tuned_dir, template, str(tmp_path / "tuned.pth"))
+    return convert(str(tmp_path / "tuned.pth"))[1]
+  round_trip_checks(sd, written, export, convert_again, tmp_path, "mar")

@@ -486,3 +486,35 @@ def test_config_variants_and_hyper_parameters():
   assert (c.checkpoint, c.model.tokenizer_path, c.model.vae_checkpoint) == ("", "", "")
   with pytest.raises(ValueError, match="unknown config arg 'w9' for nova"):
     config_files.load("nova", "w9")
+
+
+def test_export_official_round_trip(pair, tmp_path):
+  """A NOVA pipeline's transformer/ -> convert -> export -> export_official: diffusion_pytorch_model.safetensors
+  with the same keys and values bit for bit and the template's config.json; a changed backbone reads back
+  exactly (Phi-2 stays in the pipeline's text_encoder/)."""
+  from safetensors.numpy import load_file, save_file
+
+  from margrpo_jax import checkpoint
+  from margrpo_jax.convert import official
+  from test_export_official import round_trip_checks
+  _, ref, cfg, _ = pair
+  sd = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+  (tmp_path / "text_encoder").mkdir()
+  save_file({k: 0.1 * v for k, v in synthetic(phi_layer0_keys(), {2560: TOK, 10240: 64, 51200: 40}, 1).items()},
+            str(tmp_path / "text_encoder" / "model.safetensors"))
+  (tmp_path / "transformer").mkdir()
+  save_file(sd, str(tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"))
+  (tmp_path / "transformer" / "config.json").write_text('{"_class_name": "NOVATransformer3DModel"}')
+
+  def convert(folder):
+    flat = core.state_dict(core.read_checkpoint(str(folder / "diffusion_pytorch_model.safetensors")))
+    return nova_convert.convert(flat, origin=str(folder), model_cfg=cfg)[:2]
+  export = checkpoint.save_model(str(tmp_path / "export"), *convert(tmp_path / "transformer")[::-1])
+  official.export("nova", export, str(tmp_path / "transformer"), str(tmp_path / "out"))
+  assert (tmp_path / "out" / "config.json").read_text() == (tmp_path / "transformer" / "config.json").read_text()
+  written = load_file(str(tmp_path / "out" / "diffusion_pytorch_model.safetensors"))
+
+  def convert_again(tuned_dir):
+    official.export("nova", tuned_dir, str(tmp_path / "transformer"), str(tmp_path / "tuned"))
+    return convert(tmp_path / "tuned")[1]
+  round_trip_checks(sd, written, export, convert_again, tmp_path, "backbone")

@@ -14,6 +14,7 @@ Every mismatch is one sentence naming the source key and the target path.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -143,6 +144,21 @@ def _unflatten_like(target, flat, prefix=""):
           for k, v in target.items()}
 
 
+_TRACING = [False]  # inside :func:`tracing`: leaves keep their integer element ids instead of being cast
+
+
+@contextlib.contextmanager
+def tracing():
+  """Run a converter on element ids (``int64`` source arrays) instead of weights: every target leaf then holds the
+  ids of the source elements it was copied from, which is what writes fine-tuned weights back
+  (``convert/official.py``). A mapping that computes values instead of moving them is refused in one sentence."""
+  _TRACING[0] = True
+  try:
+    yield
+  finally:
+    _TRACING[0] = False
+
+
 class Converter:
   """Fills a Flax parameter tree (``nnx.to_pure_dict`` layout, abstract leaves) from a flat source dict."""
 
@@ -174,7 +190,10 @@ class Converter:
                             f"but target {path!r} expects {tuple(want.shape)}.")
     if path in self.filled:
       raise ConversionError(f"target {path!r} is filled twice (second time from {key!r}).")
-    self.filled[path] = value.astype(want.dtype)
+    if _TRACING[0] and value.dtype != np.int64:
+      raise ConversionError(f"target {path!r} is computed from {key or 'the source'} ({value.dtype}), not copied: it "
+                            "cannot be written back to the official layout.")
+    self.filled[path] = value if _TRACING[0] else value.astype(want.dtype)
 
   def copy(self, path: str, key: str, fn: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
     x = self.get(key)

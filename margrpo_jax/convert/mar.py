@@ -51,10 +51,9 @@ def convert_head(conv: Converter, prefix: str = "diffloss.net.", dst: str = "hea
   conv.dense(f"{dst}/final_layer/ada_ln", prefix + "final_layer.adaLN_modulation.1")
 
 
-def convert(sd, origin: str = "checkpoint", size: str | None = None):
-  """``(model_cfg, params, report)`` for a flat MAR state dict."""
-  size = size or infer_size(sd)
-  cfg = class_mar.mar_config(size)
+def convert(sd, origin: str = "checkpoint", size: str | None = None, model_cfg=None):
+  """``(model_cfg, params, report)`` for a flat MAR state dict (``model_cfg``: a non-default architecture)."""
+  cfg = model_cfg or class_mar.mar_config(size or infer_size(sd))
   conv = Converter(sd, abstract_params(cfg, lambda c: class_mar.ClassMAR(c, rngs=_rngs())), origin)
   convert_backbone(conv)
   conv.embed("backbone/class_emb", "class_emb")

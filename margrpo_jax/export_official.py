@@ -1,0 +1,40 @@
+"""Write a fine-tuned export back in the official release layout, loadable by the official PyTorch code.
+
+    python -m margrpo_jax.export_official --family=mar|harmon|nova --src=EXPORT_DIR --template=OFFICIAL --out=PATH
+
+``--template`` is the official file (MAR ``checkpoint-last.pth``, Harmon ``.pth``) or folder (NOVA's pipeline
+``transformer/``) the base was converted from; ``--out`` gets its layout with the fine-tuned weights
+(``convert/official.py``: the converters' exact inverse). A mismatch ends in one sentence and exit code 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app, flags
+
+_FAMILY = flags.DEFINE_string("family", None, "mar, harmon or nova")
+_SRC = flags.DEFINE_string("src", None, "the fine-tuned export (model.json + params/), e.g. an RL run's W/export")
+_TEMPLATE = flags.DEFINE_string("template", None, "the official file / folder the base was converted from")
+_OUT = flags.DEFINE_string("out", None, "where to write: a .pth file (mar, harmon) or a transformer/ folder (nova)")
+
+
+def main(argv):
+  del argv
+  from margrpo_jax import checkpoint
+  from margrpo_jax.convert import core, official
+  missing = [n for n, f in (("family", _FAMILY), ("src", _SRC), ("template", _TEMPLATE), ("out", _OUT))
+             if not f.value]
+  if missing:
+    print(f"error: --{missing[0]} is required.", file=sys.stderr)
+    sys.exit(2)
+  try:
+    report = official.export(_FAMILY.value, _SRC.value, _TEMPLATE.value, _OUT.value)
+  except (core.ConversionError, checkpoint.CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -127,24 +127,33 @@ def wait(mngr: ocp.CheckpointManager) -> None:
 
 def restore_latest(mngr: ocp.CheckpointManager, target):
   """``(step, state)`` of the newest readable checkpoint restored into ``target``'s structure, or
-  ``(None, target)`` when there is none. An unreadable newer one is set aside with one warning."""
+  ``(None, target)`` when there is none.
+
+  A checkpoint whose stored keys or shapes are not ``target``'s (another model or config) is refused in one
+  sentence and nothing is touched. A newer one whose files cannot be read is set aside (renamed
+  ``<step>.unreadable``) with one warning once an older one has restored; when none can be read, that is one
+  sentence and all of them stay as they are."""
   abstract = abstract_like(target)
+  failed = []
   for step in sorted(mngr.all_steps(), reverse=True):
-    try:
-      return step, mngr.restore(step, args=ocp.args.StandardRestore(abstract))
-    except Exception as e:  # noqa: BLE001 - Orbax raises many types for a damaged or foreign checkpoint
-      detail = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". See full")[0][:160]
-      if _structure_mismatch(e):
+    stored = _stored_state(mngr, step)
+    if stored is not None:
+      differ = _differences(stored, abstract)
+      if differ:
         raise CheckpointError(f"checkpoint step {step} in {mngr.directory} does not hold this run's train state "
-                              f"(another model or config; {detail}): use a new workdir.") from None
-      _set_aside(mngr, step, detail)
+                              f"({differ}; another model or config): use a new workdir.")
+    try:
+      state = mngr.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # noqa: BLE001 - Orbax raises many types for damaged files
+      failed.append((step, (str(e).strip().splitlines() or [type(e).__name__])[0].split(". See full")[0][:160]))
+      continue
+    for bad, detail in failed:
+      _set_aside(mngr, bad, detail)
+    return step, state
+  if failed:
+    raise CheckpointError(f"no checkpoint in {mngr.directory} can be read (newest: step {failed[0][0]}: "
+                          f"{failed[0][1]}); they are left as they are: move them aside to start afresh.")
   return None, target
-
-
-def _structure_mismatch(e: Exception) -> bool:
-  text = str(e)
-  return any(s in text for s in ("does not match", "mismatch", "Missing keys", "Unexpected keys",
-                                 "incompatible shape"))
 
 
 def _set_aside(mngr: ocp.CheckpointManager, step: int, detail: str) -> None:
@@ -158,8 +167,44 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, detail: str) -> None:
       aside = f"{path}.unreadable{n}"
     os.replace(path, aside)
   mngr.reload()
-  logging.warning("checkpoint step %d in %s cannot be read (%s); set aside as %s, falling back to an older one.",
+  logging.warning("checkpoint step %d in %s cannot be read (%s); set aside as %s, resumed from an older one.",
                   step, mngr.directory, detail, os.path.basename(aside))
+
+
+def _stored_state(mngr: ocp.CheckpointManager, step: int) -> dict | None:
+  """The stored tree's metadata (shapes) of checkpoint ``step``, or None when it cannot be read."""
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      meta = ckptr.metadata(os.path.join(os.fspath(mngr.directory), str(step), "default"))
+    meta = getattr(meta, "item_metadata", meta)
+    return dict(getattr(meta, "tree", meta))
+  except Exception:  # noqa: BLE001 - damaged metadata: the restore decides
+    return None
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey (optax states are named tuples)
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _flat(tree) -> dict:
+  return {"/".join(_key_name(k) for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _differences(stored: dict, target: dict) -> str | None:
+  """The first key or shape in which ``stored`` (metadata) and ``target`` differ, in words; None if none."""
+  have, want = _flat(stored), _flat(target)
+  missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+  if missing or extra:
+    return (f"missing {missing[0]}" if missing else f"unexpected {extra[0]}") + \
+        f", {len(missing) + len(extra)} key(s) differ"
+  for k, v in want.items():
+    shape = tuple(getattr(have[k], "shape", ()) or ())
+    if shape != tuple(v.shape):
+      return f"{k} has shape {shape}, not {tuple(v.shape)}"
+  return None
 
 
 def model_class(family: str):
@@ -266,16 +311,7 @@ def load_model(directory: str):
 
 def _check_fits(stored: dict, target: dict, directory: str) -> None:
   """The stored params' keys and shapes must be those ``model.json`` builds."""
-  flat = lambda t: {"/".join(str(getattr(k, "key", k)) for k in p): v
-                    for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
-  have, want = flat(stored), flat(target)
-  missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-  if missing or extra:
-    raise CheckpointError(f"{directory} holds parameters that its model.json does not build ("
-                          + (f"missing {missing[0]}" if missing else f"unexpected {extra[0]}")
-                          + f", {len(missing) + len(extra)} key(s) differ): the export is damaged or mixed up.")
-  for k, v in want.items():
-    shape = tuple(getattr(have[k], "shape", ()))
-    if shape != tuple(v.shape):
-      raise CheckpointError(f"{directory}: parameter {k} has shape {shape}, but its model.json builds "
-                            f"{tuple(v.shape)}: the export is damaged or mixed up.")
+  differ = _differences(stored, target)
+  if differ:
+    raise CheckpointError(f"{directory} holds parameters that its model.json does not build ({differ}): the "
+                          "export is damaged or mixed up.")

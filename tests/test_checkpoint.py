@@ -112,7 +112,7 @@ def test_an_export_whose_params_do_not_fit_its_model_json_is_one_sentence(tmp_pa
   meta = json.loads(open(os.path.join(out, "model.json")).read())
   meta["head"]["width"] *= 2
   fileio.write_json(os.path.join(out, "model.json"), meta)
-  with pytest.raises(checkpoint.CheckpointError, match="has shape .* but its model.json builds"):
+  with pytest.raises(checkpoint.CheckpointError, match=r"model.json does not build \(.* has shape .*, not"):
     checkpoint.load_model(out)
   meta["head"]["width"] //= 2
   meta["backbone"]["encoder_depth"] += 1
@@ -129,3 +129,22 @@ def test_a_save_that_cannot_fit_on_the_disk_is_refused_before_writing(tmp_path, 
   with pytest.raises(checkpoint.StorageError, match=r"less than the .* MiB the checkpoint of step 2 needs"):
     checkpoint.save_state(mngr, 2, _state(2.0))
   assert sorted(mngr.all_steps()) == [1] and sorted(os.listdir(tmp_path / "ckpt")) == ["1"]
+
+
+def test_another_models_checkpoints_are_refused_and_left_alone(tmp_path):
+  _saved(tmp_path)
+  other = dict(step=jnp.int32(0), params=dict(w=jnp.zeros((5, 3)), b=jnp.zeros(3)))
+  with pytest.raises(checkpoint.CheckpointError, match=r"step 3 .*params/w has shape \(4, 3\), not \(5, 3\)"):
+    checkpoint.restore_latest(checkpoint.manager(str(tmp_path / "ckpt"), keep=5), other)
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2", "3"]
+
+
+def test_when_no_checkpoint_can_be_read_all_are_left_as_they_are(tmp_path):
+  _saved(tmp_path, steps=(1, 2))
+  for step in ("1", "2"):
+    path = _largest_file(tmp_path / "ckpt" / step)
+    with open(path, "r+b") as f:
+      f.truncate(8)
+  with pytest.raises(checkpoint.CheckpointError, match="no checkpoint .* can be read .*step 2"):
+    checkpoint.restore_latest(checkpoint.manager(str(tmp_path / "ckpt"), keep=5), _state(0))
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]

@@ -22,7 +22,7 @@ from margrpo_jax.convert.__main__ import run as convert_run
 from margrpo_jax.models import class_mar, diffusion_head, families, layers
 
 torch = pytest.importorskip("torch")
-from conftest import KEYS  # noqa: E402
+from conftest import KEYS, REPO  # noqa: E402
 ATOL = 1e-4
 
 
@@ -74,42 +74,17 @@ def test_block_matches_timm():
   np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), want, atol=ATOL, rtol=0)
 
 
-class _TorchAdaLNHead(torch.nn.Module):
-  """SimpleMLPAdaLN written from docs/models.md section 1.4 (key names as in diffloss.net)."""
-
-  def __init__(self, cin, width, cond, depth):
-    nn = torch.nn
-    super().__init__()
-    self.time_embed = nn.Module()
-    self.time_embed.mlp = nn.Sequential(nn.Linear(256, width), nn.SiLU(), nn.Linear(width, width))
-    self.cond_embed = nn.Linear(cond, width)
-    self.input_proj = nn.Linear(cin, width)
-    self.res_blocks = nn.ModuleList()
-    for _ in range(depth):
-      b = nn.Module()
-      b.in_ln = nn.LayerNorm(width, eps=1e-6)
-      b.mlp = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
-      b.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 3 * width))
-      self.res_blocks.append(b)
-    self.final_layer = nn.Module()
-    self.final_layer.norm_final = nn.LayerNorm(width, eps=1e-6, elementwise_affine=False)
-    self.final_layer.linear = nn.Linear(width, 2 * cin)
-    self.final_layer.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
-
-  def forward(self, x, t, c):
-    freqs = torch.exp(-np.log(10000.0) * torch.arange(128, dtype=torch.float32) / 128)
-    args = t.float()[:, None] * freqs[None]
-    y = self.time_embed.mlp(torch.cat([torch.cos(args), torch.sin(args)], -1)) + self.cond_embed(c)
-    x = self.input_proj(x)
-    for b in self.res_blocks:
-      shift, scale, gate = b.adaLN_modulation(y).chunk(3, -1)
-      x = x + gate * b.mlp(b.in_ln(x) * (1 + scale) + shift)
-    shift, scale = self.final_layer.adaLN_modulation(y).chunk(2, -1)
-    return self.final_layer.linear(self.final_layer.norm_final(x) * (1 + scale) + shift)
+def _torch_head():
+  """The PyTorch SimpleMLPAdaLN of benchmarks/peer_sampler.py (diffloss.net key names): the parity test below
+  also proves the reference the sampler benchmark times."""
+  import sys
+  sys.path.insert(0, str(REPO / "benchmarks"))
+  import peer_sampler
+  return peer_sampler.Head
 
 
 def test_diffusion_head_matches_torch_reference():
-  ref = _randomize(_TorchAdaLNHead(16, 48, 40, 2), seed=1)
+  ref = _randomize(_torch_head()(16, 48, 40, 2), seed=1)
   model = diffusion_head.SimpleMLPAdaLN(token_dim=16, cond_dim=40, width=48, depth=2, rngs=nnx.Rngs(0))
   conv = core.Converter(_sd(ref, "diffloss.net."), {"head": nnx.to_pure_dict(nnx.state(model))}, "torch head")
   mar_convert.convert_head(conv)

@@ -33,7 +33,7 @@ from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.rewards import registry  # noqa: E402
 from margrpo_jax.jobs import rl as rl_job  # noqa: E402
-from margrpo_jax.rl import advantages, loss as loss_lib, step as step_lib  # noqa: E402
+from margrpo_jax.rl import advantages, loss as loss_lib, prompts as rl_prompts, step as step_lib  # noqa: E402
 from margrpo_jax.sampling.sampler import Record  # noqa: E402
 
 K_AXIS = dict(j=1, x_t=1, x_prev=1, old_logp=1, ref_mean=1, ref_std=1, mte_x_t=2, mte_x_prev=2, mte_old_logp=2)
@@ -75,7 +75,7 @@ def main():
                      f"--variant={args.variant} scores whole images with rl.logp='mar'")
   s = rl_job.setup(config)
   t0 = time.time()
-  ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=2000), 0)
+  ro = rl_job.rollout(config, s, s.policy, rl_prompts.from_metadata(shapes.split_records("train", num_train=2000)), 0)
   n_img, g = args.prompts * args.group_size, args.group_size
   adv = np.asarray(advantages.group_advantages(ro["reward"], g, config.rl.advantage))
   print(f"rollout: {n_img} images in {time.time() - t0:.0f} s, mean {args.reward} {float(np.mean(ro['reward'])):.3f}"

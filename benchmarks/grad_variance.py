@@ -24,7 +24,7 @@ from flax import nnx
 from margrpo_jax import config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import rl as rl_job
-from margrpo_jax.rl import advantages, loss as loss_lib, step as step_lib
+from margrpo_jax.rl import advantages, loss as loss_lib, prompts as rl_prompts, step as step_lib
 
 
 def trace_variance(grads: np.ndarray) -> float:
@@ -46,7 +46,7 @@ def main():
   s = rl_job.setup(config)
   sc = s.static
   lcfg = sc.loss
-  ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=512), 0)
+  ro = rl_job.rollout(config, s, s.policy, rl_prompts.from_metadata(shapes.split_records("train", num_train=512)), 0)
   adv = advantages.group_advantages(ro["reward"], args.group_size, "grpo")
   if not np.any(np.asarray(adv)):
     adv = jnp.asarray(np.random.default_rng(0).standard_normal(adv.shape), jnp.float32)  # flat rewards: any signal

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from margrpo_jax import config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import rl as rl_job
-from margrpo_jax.rl import advantages, step as step_lib
+from margrpo_jax.rl import advantages, prompts as rl_prompts, step as step_lib
 
 def footprint(compiled) -> int:
   m = compiled.memory_analysis()
@@ -56,7 +56,7 @@ def main():
   ap.add_argument("--diffusion_steps", type=int, default=8, help="diffusion steps scored per AR step (k)")
   args = ap.parse_args()
   out = dict(device=str(jax.devices()[0].device_kind), batch=args.group_size * args.prompts, variants={})
-  recs = shapes.split_records("train", num_train=512)
+  recs = rl_prompts.from_metadata(shapes.split_records("train", num_train=512))
   ro = None
   for variant in ("grpo", "margrpo"):
     config = config_files.load("shapes_rl", variant)

@@ -11,6 +11,10 @@ python -m margrpo_jax.main --config=configs/harmon.py:0.5b --config.mode=sample 
 Plan (parameters per component, docs/models.md section 2.7; compile needs sharding rules for the LLM's parameters):
 python -m margrpo_jax.main --config=configs/harmon.py:1.5b --config.mode=plan --config.plan.compile=False --workdir=W
 
+Tiny (a few-layer random-weight Harmon: Qwen2.5 layout, MAR encoder / decoder, a byte-level tokenizer and a
+random KL-16-layout VAE, nothing downloaded; RL on JPEG compressibility over configs/prompts/captions.txt):
+python -m margrpo_jax.main --config=configs/harmon.py:tiny --config.mode=rl --config.num_iters=2 --workdir=W
+
 Generation defaults (docs/models.md section 2.3): 64 AR steps, 100 diffusion steps, CFG 3.0 constant, temperature 1.0.
 RL (docs/algorithm.md section 10, Harmon column): G = 4, lr 1e-6 constant, AdamW (0.9, 0.999, 1e-8) wd 0, grad clip 1.0,
 beta 0.01, 12 of 64 AR steps and 10 diffusion steps scored, S = 5 MTE seeds, top 30 %, consistency selection,
@@ -25,6 +29,8 @@ from margrpo_jax.models import harmon
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg or "0.5b"
+  if size == "tiny":
+    return config_files.tiny(get_config("0.5b"), "harmon")
   if size not in harmon.SIZES:
     raise ValueError(f"unknown config arg {size!r} for harmon (sizes: {', '.join(harmon.SIZES)})")
   c = config_files.real_size(harmon.harmon_config(size))
@@ -33,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                     clip_denoised=False)
   c.rl.update(group_size=4, prompts_per_iter=3, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=5,
               topk_fraction=0.3, consistency=True, beta=0.01, remat=True)
-  c.rl.rewards = ml_collections.ConfigDict(dict(hps=1.0))
+  c.rl.rewards.hps = 1.0
   c.optim.update(lr=1e-6, warmup_steps=0, decay="constant", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                  grad_clip=1.0)
   return c

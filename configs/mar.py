@@ -15,6 +15,9 @@ python -m margrpo_jax.main --config=configs/mar.py:huge --config.mode=plan --wor
     [--config.parallel.mesh.fsdp=8 --config.parallel.mesh.data=1]
 (on CPU, simulate the pod: XLA_FLAGS=--xla_force_host_platform_device_count=8). Prints the parameters per
 component (docs/models.md section 1.7) and the per-device compiled memory of the sharded rollout and RL step.
+Tiny (a few-layer random-weight MAR with its KL-16-layout VAE, nothing downloaded; RL on JPEG compressibility
+over the class labels, a few minutes on CPU; rerunning resumes):
+python -m margrpo_jax.main --config=configs/mar.py:tiny --config.mode=rl --config.num_iters=2 --workdir=W
 RL hyper-parameters are the paper's (docs/algorithm.md section 10): 64 AR steps with 12 scored, 10 diffusion steps
 scored per AR step, S = 5 MTE trajectories, top 30%, G = 4, lr 1e-6, beta 0.01.
 """
@@ -29,6 +32,8 @@ CFG = {"base": 2.9, "large": 3.0, "huge": 3.2}  # docs/models.md section 1.3 (RE
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg or "base"
+  if size == "tiny":
+    return config_files.tiny(get_config("base"), "mar")
   if size not in class_mar.SIZES:
     raise ValueError(f"unknown config arg {size!r} for mar (sizes: {', '.join(class_mar.SIZES)})")
   c = config_files.real_size(class_mar.mar_config(size), prompts="207,360,387,974,88,979,417,279",
@@ -37,5 +42,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                     temperature=1.0, clip_denoised=False)
   c.rl.update(group_size=4, prompts_per_iter=8, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=5,
               topk_fraction=0.3, remat=True)
+  c.rl.rewards.jpeg_compressibility = 1.0  # needs no download; set rl.rewards.imagereward etc. with checkpoints
   c.optim.update(lr=1e-6, grad_clip=1.0)
   return c

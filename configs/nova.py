@@ -15,6 +15,11 @@ Plan (parameters per component; docs/models.md section 3.7: backbone + head = th
 null rows):
 python -m margrpo_jax.main --config=configs/nova.py:d48w1024 --config.mode=plan --config.plan.compile=False --workdir=W
 
+Tiny (a few-layer random-weight NOVA: Phi-2 layout, video / image encoders, flow head, a byte-level tokenizer and
+a random SD-layout VAE, nothing downloaded; RL with the flow SDE on JPEG compressibility over
+configs/prompts/captions.txt):
+python -m margrpo_jax.main --config=configs/nova.py:tiny --config.mode=rl --config.num_iters=2 --workdir=W
+
 Generation defaults (docs/models.md section 3.3): 64 AR steps (cos schedule, round, zero-count steps skipped), 25
 Euler flow steps (``sampling.flow_noise_level`` 0 = NOVA's ODE), CFG 5 constant against the null text, no temperature.
 RL (docs/algorithm.md section 10, NOVA column): G = 4, 3 prompts per step (3 GPUs x 1), lr 2e-6 constant, AdamW (0.9,
@@ -35,6 +40,10 @@ SHORT = {"d48w768": "d48w768-sdxl1024", "d48w1024": "d48w1024-sdxl1024", "d48w15
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  if arg == "tiny":
+    c = config_files.tiny(get_config("sd512"), "nova")
+    c.sampling.num_steps = 8  # NOVA's rounded schedule drops a zero-count step here: 7 AR steps
+    return c
   variant = SHORT.get(arg or "sd512", arg)
   if variant not in nova.VARIANTS:
     raise ValueError(f"unknown config arg {arg!r} for nova (variants: {', '.join(SHORT)} or "
@@ -46,9 +55,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling.mask_schedule = "cos_round"  # NOVA: m_i = round(L cos(pi/2 i/N)), zero-count steps skipped
   c.sampling.flow_noise_level = 0.0       # Euler ODE (NOVA); rollouts use rl.flow_noise_level
   c.rl.update(group_size=4, prompts_per_iter=3, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=3,
-              topk_fraction=0.3, consistency=True, beta=0.01, channel_reduction="mean", remat=True)
+              topk_fraction=0.3, consistency=True, beta=0.01, channel_reduction="mean", remat=True,
+              diffusion_window="1:-1")  # no sigma = 1 first step, no near-deterministic last SDE step (std ~7e-4)
   c.rl.flow_noise_level = 0.7             # Flow-GRPO SDE (docs/algorithm.md section 3.4)
-  c.rl.rewards = ml_collections.ConfigDict(dict(hps=1.0))
+  c.rl.rewards.hps = 1.0
   c.optim.update(lr=2e-6, warmup_steps=0, decay="constant", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                  grad_clip=1.0)
   return c

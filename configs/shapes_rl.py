@@ -43,6 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.variant = variant
   c.seed = 0
   c.checkpoint = ""  # base model export; '' = the shipped base
+  c.init = ""        # 'random': start from a random-weight instance of config.model (the families' tiny configs)
   c.tfds_dir = ""
   c.num_iters = 40
   c.parallel = mesh.config()  # device mesh, sharding rules, multi-host (margrpo_jax/parallel/mesh.py)
@@ -52,6 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling = config_files.load("shapes_sample").sampling
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
+      prompt_file="",             # train prompts: '' = the shapes world (class labels for MAR), or a JSONL / text
+                                  # prompt file (rl/prompts.py)
       # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
       rewards=dict(shapes_partial=1.0, shapes_strict=0.0, shapes_dense=0.0, jpeg_compressibility=0.0, brightness=0.0,
                    **{name: 0.0 for name in registry.LEARNED}),
@@ -84,6 +87,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mte_latent="step",          # [official: 'commit', A2]
       mte_commit_guided=False,    # with 'commit': guided MTE chains (CFG at cfg_scale) [official: True, Harmon]
       mte_actual="keep",          # a decoded token in U keeps its own chain | 'include' | [official: 'replace']
+      diffusion_per_ar_step=False,  # the scored diffusion steps drawn per AR step [official NOVA: True]
+      logp_bf16=False,            # per-token log-probs rounded through bfloat16 [official NOVA: True]
       topk_scope="region",        # U: top fraction of the loss region [official: 'all' positions, known included]
       selection_chains="independent",  # U and consistency from chains of their own [official: 'scored']
       sigma_grad=True,            # sigma(z) differentiable in log-prob and KL alike [official: False, detached]
@@ -96,7 +101,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rewards = registry.settings_config()  # learned rewards: checkpoint, vocab and options per name
   c.optim = dict(lr=3e-5, warmup_steps=0, decay="constant", final_lr_frac=1.0, b1=0.9, b2=0.999, eps=1e-8,
                  weight_decay=0.0, grad_clip=1.0)
-  c.eval = dict(num_prompts=512, batch_size=64, seed=0)  # 512 = the whole eval split (strict pass se ~0.022)
+  c.eval = dict(num_prompts=512, batch_size=64, seed=0,  # 512 = the whole eval split (strict pass se ~0.022)
+                prompt_file="")  # eval prompts: '' = the shapes eval split, or those of rl.prompt_file
   c.save = dict(every=5, keep=3)  # train-state checkpoints (Orbax, async) every N iterations
   c.log_images_every = 10         # TensorBoard grid of the rollouts every N iterations
   if variant != "margrpo":

@@ -53,4 +53,30 @@ def real_size(model_cfg: ml_collections.ConfigDict, prompts: str = CAPTIONS, bat
   c.grid_size = grid_size
   c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)  # FSDP over every device: optimizer states are large
   c.plan = dict(compile=True)
+  c.rl.rewards.update({k: 0.0 for k in c.rl.rewards})  # the family's config names its reward
+  return c
+
+
+TINY_CAPTIONS = os.path.join(CONFIGS, "prompts", "captions.txt")
+
+
+def tiny(c: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
+  """A family's ``tiny`` config: its few-layer random-weight instance (``models/random_instance.py``) and
+  MAR-GRPO settings sized for a CPU (two prompts of two images, 4 AR steps of which 2 scored, 2 MTE seeds), on a
+  reward that needs no download (JPEG compressibility) and the shipped captions (class labels for MAR)."""
+  from margrpo_jax.models import random_instance
+  c.mode = "rl"
+  c.init = "random"
+  c.model = random_instance.tiny_config(family)
+  c.num_iters = 2
+  c.sampling.update(num_steps=4, diffusion_steps="10", clip_denoised=3.0)  # untrained eps: keep x0_hat bounded
+  c.rl.update(group_size=2, prompts_per_iter=2, num_ar_steps=2, num_diffusion_steps=2, mte_seeds=2, remat=False,
+              prompt_file="" if family == "mar" else TINY_CAPTIONS)
+  c.rl.rewards.update({k: 0.0 for k in c.rl.rewards})
+  c.rl.rewards.jpeg_compressibility = 1.0
+  c.optim.update(lr=1e-3)
+  c.eval.update(num_prompts=4, batch_size=4)
+  c.save.every = 1
+  c.batch_size = 2
+  c.prompts = "1,2" if family == "mar" else "a red apple,a cat on a sofa"
   return c

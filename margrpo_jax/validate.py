@@ -146,7 +146,7 @@ def check_mesh(config) -> None:
   except ValueError as e:
     raise ConfigError(str(e).rstrip(".")) from None
   split = shape["data"] * shape["fsdp"]
-  if config.mode == "rl":
+  if config.mode == "rl" or (config.mode == "plan" and config.get("plan", {}).get("compile")):
     images = config.rl.group_size * config.rl.prompts_per_iter
     rows = images // max(config.rl.num_minibatches, 1)
     if images % split or rows % split:
@@ -181,20 +181,52 @@ def check_rl(config) -> None:
     if name in registry.LEARNED and not config.rewards[name].get("checkpoint"):
       raise ConfigError(f"rl.rewards.{name}={weights[name]} needs rewards.{name}.checkpoint (a converted reward "
                         "model; python -m margrpo_jax.convert)")
-  path = config.checkpoint or ("shapes_base" if not config.get("model") else "")
-  if not path:
-    raise ConfigError(f"config.checkpoint is not set: a {config.model.family} run needs a converted export "
-                      "(python -m margrpo_jax.convert)")
-  model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
-  if cls.own_sampler():
-    raise ConfigError(f"config.checkpoint {checkpoint.resolve(path)} holds a {model_cfg.family} model: MAR-GRPO "
-                      "for its own sampler and flow head is not implemented (the loss is Gaussian-head only)")
+  if config.get("init") == "random" and not config.checkpoint:
+    from margrpo_jax.models import families, random_instance
+    try:
+      model_cfg = random_instance.tiny_config(config.model.family if config.get("model") else "tiny")
+    except ValueError as e:
+      raise ConfigError(f"config.init='random': {e}") from None
+    cls = families.generator(model_cfg.family)
+  else:
+    path = config.checkpoint or ("shapes_base" if not config.get("model") else "")
+    if not path:
+      raise ConfigError(f"config.checkpoint is not set: a {config.model.family} run needs a converted export "
+                        "(python -m margrpo_jax.convert)")
+    model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
   if config.rl.logp == "mar" and config.rl.reencode and not cls.can_encode():
     raise ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
                       "implemented: set rl.reencode=False to score the sampled tokens")
-  if any(k in registry.NEEDS_SHAPES for k in weights) and model_cfg.family != "tiny":
-    raise ConfigError(f"rl.rewards.{next(k for k in weights if k in registry.NEEDS_SHAPES)} is a shapes-world "
-                      f"verifier reward, but config.checkpoint holds a {model_cfg.family} model")
+  rl_config.step_config(config, model_cfg)  # with the base's own head (a flow head's rules: rl.logp, noise level)
+  verifier = next((k for k in weights if k in registry.NEEDS_SHAPES), None)
+  if verifier and model_cfg.family != "tiny":
+    raise ConfigError(f"rl.rewards.{verifier} is a shapes-world verifier reward, but the base is a "
+                      f"{model_cfg.family} model (its images are not shapes-world images)")
+  _check_rl_prompts(config, model_cfg, cls, verifier)
+
+
+def _check_rl_prompts(config, model_cfg, cls, verifier) -> None:
+  """The prompt sources can be read and suit the family and the rewards."""
+  from margrpo_jax.data import prompt_files
+  from margrpo_jax.rl import prompts as rl_prompts
+  for key in ("rl.prompt_file", "eval.prompt_file"):
+    present, path = _has(config, key)
+    if not (present and path):
+      continue
+    try:
+      recs = rl_prompts.read_file(path)
+    except prompt_files.PromptFileError as e:
+      raise ConfigError(f"{key}: {str(e).rstrip('.')}") from None
+    if verifier and not rl_prompts.all_shapes(recs):
+      first = next(r["prompt"] for r in recs if r["shapes"] is None)
+      raise ConfigError(f"rl.rewards.{verifier} is a shapes-world verifier reward, but {key}={path} has prompts "
+                        f"without shapes-world metadata (e.g. {first!r})")
+    if cls.condition_ndim == 1:  # class-conditional: every prompt must be a class label
+      try:
+        cls.prompt_ids(model_cfg, [r["prompt"] for r in recs])
+      except ValueError as e:
+        raise ConfigError(f"{key}={path}: {str(e).rstrip('.')}; a class-conditional model takes class labels, "
+                          "not captions") from None
 
 
 def check_eval(config) -> None:

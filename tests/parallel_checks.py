@@ -23,6 +23,7 @@ from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.jobs import pretrain  # noqa: E402
 from margrpo_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
 from margrpo_jax.jobs import rl as rl_job  # noqa: E402
+from margrpo_jax.rl import prompts as rl_prompts  # noqa: E402
 from margrpo_jax.rl import advantages, step as step_lib  # noqa: E402
 
 MESHES = {"8x1": dict(data=8, fsdp=1, tensor=1), "2x4": dict(data=2, fsdp=4, tensor=1),
@@ -64,7 +65,7 @@ def rl_checks(params, model_cfg, graphdef, out):
   c.rl.update(group_size=2, prompts_per_iter=8, mte_seeds=2, topk_fraction=0.5)
   c.rl.rewards.update(shapes_partial=0.0, jpeg_compressibility=1.0)
   c.optim.update(lr=1.0, eps=1.0)  # update ~ g / (|g| + 1): parameter differences track gradient differences
-  recs = shapes.split_records("train", num_train=400)
+  recs = rl_prompts.from_metadata(shapes.split_records("train", num_train=400))
   results = {}
   for name, shape in [("1", dict(data=1, fsdp=1, tensor=1))] + list(MESHES.items()):
     c.parallel.mesh.update(shape)
@@ -115,14 +116,20 @@ def restore_checks(params, out):
 
 
 def plan_checks(out):
-  """Plan mode compiles the sharded rollout and RL step of the small model on a 2x4 mesh."""
+  """Plan mode compiles the sharded rollout and RL step on a 2x4 mesh: the small model, tiny Harmon and NOVA."""
   from margrpo_jax.jobs import plan
   c = config_files.load("shapes_rl", "margrpo,smoke")
   c.model = smoke_config().model
   c.rl.update(group_size=2, prompts_per_iter=4)
   c.parallel.mesh.update(data=2, fsdp=4, tensor=1)
   c.plan = dict(compile=True)
-  out["plan"] = plan.plan(c)
+  out["plan/shapes"] = plan.plan(c)
+  for family in ("harmon", "nova"):  # the tiny instances: the real families' parameter trees and code paths
+    c = config_files.load(family, "tiny")
+    c.rl.update(prompts_per_iter=4)
+    c.parallel.mesh.update(data=2, fsdp=4, tensor=1)
+    c.plan = dict(compile=True)
+    out[f"plan/{family}"] = plan.plan(c)
 
 
 def main():

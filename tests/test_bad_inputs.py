@@ -14,6 +14,8 @@ from conftest import REPO
 RL, PRETRAIN, SAMPLE, EVAL, ABLATION = (f"--config=configs/{n}.py" for n in
                                         ("shapes_rl", "shapes_pretrain", "shapes_sample", "shapes_eval",
                                          "shapes_ablation"))
+MAR, HARMON, NOVA = (f"--config=configs/{n}.py:tiny" for n in ("mar", "harmon", "nova"))
+CAPTIONS = REPO / "configs" / "prompts" / "captions.txt"
 BASE = REPO / "margrpo_jax" / "assets" / "shapes_base"
 TOKENIZER = REPO / "margrpo_jax" / "assets" / "shapes_tokenizer"
 
@@ -87,7 +89,18 @@ CASES = [
     ("empty_window", "main", [RL, "--config.rl.diffusion_window=20:10"], "window 20:10 holds no diffusion step"),
     ("window_too_small", "main", [RL, "--config.rl.num_diffusion_steps=30"], "does not fit the scored-step window"),
     ("mte_actual", "main", [RL, "--config.rl.mte_actual=drop"], "rl.mte_actual='drop' is not one of keep"),
-    ("ar_steps_rl", "main", [RL, "--config.rl.num_ar_steps=40"], "rl.num_ar_steps=40 must lie in [0, sampling."),
+    ("ar_steps_rl", "main", [RL, "--config.rl.num_ar_steps=40"],
+     "rl.num_ar_steps=40 must lie in [0, 8], the AR steps of sampling.num_steps=8"),
+    ("nova_verifier", "main", [NOVA, "--config.rl.rewards.shapes_strict=1"], "but the base is a nova model"),
+    ("harmon_learned_no_ckpt", "main", [HARMON, "--config.rl.rewards.hps=1"], "rewards.hps.checkpoint"),
+    ("mar_captions", "main", [MAR, f"--config.rl.prompt_file={CAPTIONS}"], "not a class label"),
+    ("verifier_on_captions", "main", [RL, f"--config.rl.prompt_file={CAPTIONS}"],
+     "without shapes-world metadata (e.g. 'a red apple on a table')"),
+    ("nova_elbo", "main", [NOVA, "--config.rl.logp=elbo", "--config.rl.mte_seeds=0"], "rl.logp='chain'"),
+    ("nova_ode_rollouts", "main", [NOVA, "--config.rl.flow_noise_level=0"], "rl.flow_noise_level=0.0 must lie"),
+    ("rl_prompt_file_missing", "main", [HARMON, "--config.rl.prompt_file=/no/such/prompts.txt"],
+     "/no/such/prompts.txt"),
+    ("random_init_family", "main", [RL, "--config.init=random"], "no tiny instance of the 'tiny' family"),
     ("convert_random_bytes", "convert", ["--family=mar", "--src={T}/weights.safetensors", "--out={W}"],
      "weights.safetensors"),
     ("convert_family", "convert", ["--family=dalle", "--src={T}/weights.safetensors", "--out={W}"], "dalle"),

@@ -408,14 +408,14 @@ def test_variant_inference():
 def test_nova_mask_schedule():
   """cos / round / zero steps skipped: the 63 counts of docs/algorithm.md section 3.3 for 1024 tokens, 1, 4, 6, 9
   (docs/models.md section 3.3) for 4096."""
-  from margrpo_jax.sampling import nova as nova_sampling
+  from margrpo_jax.sampling import schedule
   want = [1, 2, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 8, 9, 9, 10, 10, 11, 12, 12, 13, 13, 14, 14, 15, 15, 15, 17, 16, 17,
           18, 18, 18, 19, 19, 20, 20, 20, 21, 21, 22, 21, 22, 23, 22, 23, 23, 23, 24, 24, 24, 24, 24, 25, 24, 25, 25,
           25, 25, 25, 25, 25, 25]
-  s = nova_sampling.nova_schedule(1024, 64)
+  s = schedule.rounded_cosine_schedule(1024, 64)
   np.testing.assert_array_equal(s.counts, want)
   assert s.counts.sum() == 1024 and s.starts[-1] + s.counts[-1] == 1024
-  np.testing.assert_array_equal(nova_sampling.nova_schedule(4096, 64).counts[:4], [1, 4, 6, 9])
+  np.testing.assert_array_equal(schedule.rounded_cosine_schedule(4096, 64).counts[:4], [1, 4, 6, 9])
 
 
 def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):

@@ -60,8 +60,11 @@ def test_restore_onto_another_mesh(checks, target):
   assert r["diff"] == 0.0 and r["shardings_match"]
 
 
-def test_plan_compiles_the_sharded_steps(checks):
-  text = "\n".join(checks["plan"])
+@pytest.mark.parametrize("model", ["shapes", "harmon", "nova"])
+def test_plan_compiles_the_sharded_steps(checks, model):
+  """The sharded rollout and RL step compile on a 2 x 4 mesh: the shapes model, and the tiny Harmon (Qwen2.5
+  rules) and NOVA (Phi-2 and NOVA transformer rules, flow SDE rollouts)."""
+  text = "\n".join(checks[f"plan/{model}"])
   for name in ("rollout", "rl_step"):
     assert f"memory/{name}/per_device_peak_gib = " in text
     assert f"memory/{name}/temp_size = " in text
@@ -95,7 +98,9 @@ def test_every_parameter_has_a_sharding_rule():
   import jax
   from flax import nnx
   from conftest import small_model_config
-  for cfg in (small_model_config(), class_mar.mar_config("base")):
+  from margrpo_jax.models import random_instance  # the real families' parameter trees at tiny widths
+  for cfg in (small_model_config(), class_mar.mar_config("base"),
+              *(random_instance.tiny_config(f) for f in random_instance.FAMILIES)):
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda cfg=cfg: families.build(cfg))))
     for path, x in jax.tree_util.tree_leaves_with_path(params):
       axes = sharding.logical_axes(sharding.path_str(path), len(x.shape))  # raises when no rule matches

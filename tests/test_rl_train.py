@@ -11,7 +11,7 @@ from margrpo_jax import checkpoint, config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import rl as rl_job
 from margrpo_jax.models import families
-from margrpo_jax.rl import config as rl_config
+from margrpo_jax.rl import config as rl_config, prompts as rl_prompts
 
 
 def _config(base, **rl):
@@ -93,19 +93,15 @@ def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path
   assert (tmp_path / "ablation.png").stat().st_size > 0
 
 
-def test_real_family_rl_needs_a_checkpoint_and_a_gaussian_head():
-  """A real-size RL config without ``checkpoint`` is one sentence (not the shipped shapes model); NOVA's flow-head
-  RL is refused in one sentence before anything is loaded."""
+def test_real_family_rl_needs_a_checkpoint():
+  """A real-size RL config without ``checkpoint`` is one sentence (not the shipped shapes model)."""
   from margrpo_jax import checkpoint, config_files
   from margrpo_jax.jobs import rl as rl_job
-  c = config_files.load("mar", "base")
-  c.mode = "rl"
-  with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint is not set"):
-    rl_job.setup(c)
-  c = config_files.load("nova", "sd512")
-  c.checkpoint = "/nonexistent/nova_export"
-  with pytest.raises(checkpoint.CheckpointError, match="not implemented yet"):
-    rl_job.setup(c)
+  for family, arg in (("mar", "base"), ("nova", "sd512")):
+    c = config_files.load(family, arg)
+    c.mode = "rl"
+    with pytest.raises(checkpoint.CheckpointError, match="config.checkpoint is not set"):
+      rl_job.setup(c)
 
 
 def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, base):
@@ -127,7 +123,7 @@ def test_minibatches_and_epochs_take_that_many_optimizer_steps(base):
                    num_ar_steps=0)
   s = rl_job.setup(config)
   assert s.static.batch.num_ar_steps == config.sampling.num_steps  # 0 = every AR step
-  state, m, _ = rl_job.iteration(config, s, s.init_state(), shapes.split_records("train", num_train=64), 0)
+  state, m, _ = rl_job.iteration(config, s, s.init_state(), rl_prompts.from_metadata(shapes.split_records("train", num_train=64)), 0)
   counts = [int(x) for x in jax.tree.leaves(state["opt"]) if getattr(x, "shape", None) == () and
             np.issubdtype(np.asarray(x).dtype, np.integer)]
   assert counts and max(counts) == 4, counts
@@ -146,7 +142,7 @@ def test_mar_elbo_fits_the_rewarded_images_and_exports_the_ema(tmp_path, base):
   from margrpo_jax.rl import step as step_lib
   config = _config(base[0], logp="mar", positive_only=True, ema_decay=0.5, beta=0.0, mte_seeds=0, consistency=False)
   s = rl_job.setup(config)
-  ro = rl_job.rollout(config, s, s.policy, shapes.split_records("train", num_train=64), 0)
+  ro = rl_job.rollout(config, s, s.policy, rl_prompts.from_metadata(shapes.split_records("train", num_train=64)), 0)
   tokens = jnp.asarray(families.get("tiny").encode_images(s.model_cfg, ro["images"]))
   diff, key = gaussian.make_diffusion(1000), jax.random.key(3)
   tx = optax.sgd(0.05)
@@ -162,7 +158,7 @@ def test_mar_elbo_fits_the_rewarded_images_and_exports_the_ema(tmp_path, base):
   assert drop0[0] > 0 and drop2[2] > 0 and (drop0[0] - drop2[0]) + (drop2[2] - drop0[2]) > 0, (drop0, drop2)
   assert np.isfinite(m["loss"]) and m["mar_loss"] > 0
   assert _same(update(jnp.zeros(len(ro["images"])))[0]["policy"], s.policy)  # no advantage, no step
-  state, m, _ = rl_job.iteration(config, s, s.init_state(), shapes.split_records("train", num_train=64), 0)
+  state, m, _ = rl_job.iteration(config, s, s.init_state(), rl_prompts.from_metadata(shapes.split_records("train", num_train=64)), 0)
   want = jax.tree.map(lambda b, p: 0.5 * b + 0.5 * p, s.policy, state["policy"])
   assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), state["ema"], want))
   assert not _same(state["ema"], state["policy"]) and s.trained_policy(state) is state["ema"]

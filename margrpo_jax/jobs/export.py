@@ -24,7 +24,7 @@ def run(config, workdir: str) -> str:
     raise checkpoint.CheckpointError(f"{mngr.directory} holds no checkpoint to export (run the job there first).")
   if "rl" in config:
     from margrpo_jax.jobs import rl as rl_job
-    s = rl_job.setup(config)
+    s = rl_job.setup(config, workdir=workdir)
     _, state = checkpoint.restore_latest(mngr, s.init_state())
     params, model_cfg = s.trained_params(state), s.model_cfg
   else:

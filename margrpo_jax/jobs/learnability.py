@@ -23,6 +23,7 @@ from absl import logging
 from margrpo_jax import config_files, generate
 from margrpo_jax.rewards import registry
 from margrpo_jax.jobs import rl as rl_job
+from margrpo_jax.rl import prompts as rl_prompts
 
 
 def rl_config(variant: str, reward: str, iters: int, overrides: dict | None = None) -> ml_collections.ConfigDict:
@@ -57,6 +58,7 @@ def run_one(config, train_recs: list[dict], eval_recs: list[dict], reward: str, 
   every run with the same static configuration (the control reuses its variant's). ``after_rewards``: the
   per-image rewards after training, to pair with another run's."""
   s = setup or rl_job.setup(config)
+  train_recs = rl_prompts.from_metadata(train_recs)  # shapes-world metadata -> the RL job's prompt records
   if before is None:
     before = eval_rewards(config, s, s.policy, eval_recs, reward)
   state = s.init_state()

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 from margrpo_jax.rl import config as rl_config, step as step_lib
@@ -72,10 +71,9 @@ def plan(config, emit=lambda line: None) -> list[str]:
   lines += [f"mesh = {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices"]
   if not config.plan.compile:
     return list(lines)
-  if families.get(config.model.family).own_sampler():
-    lines += [f"compile: skipped (MAR-GRPO for the {config.model.family} family's own sampler is not implemented; "
-              "--config.plan.compile=False prints the counts only)"]
-    return list(lines)
+  if config.model.family == "harmon" and not config.model.text.null_ids:  # the tokenizer's; only shapes matter here
+    config.model.text.null_ids = [0]
+    lines += ["harmon: model.text.null_ids is empty (no tokenizer given); a stand-in id is used (shapes only)"]
   rules = sharding.hashable_rules(config.parallel.rules)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: families.build(config.model)))
   params = nnx.to_pure_dict(state)
@@ -92,7 +90,7 @@ def plan(config, emit=lambda line: None) -> list[str]:
   ids_shape = (batch,) if static.ids_ndim == 1 else (batch, config.model.text.max_len)  # labels or token ids
   ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))
-  diff = gaussian.make_diffusion(static.num_train_steps, static.respacing)
+  diff = step_lib.make_chain(static)  # Gaussian diffusion, or NOVA's flow SDE
   rollout = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
                                        params=params, ids_ndim=len(ids_shape))
   lowered = rollout.lower(params, ids, key)

@@ -8,6 +8,13 @@ pytrees that never reach the optimizer. ``config.rl`` is resolved once, when the
 (``rl/config.py``: ``rl.fidelity='official'`` writes the official value of every switch into it, so
 ``config.json`` records the values the run used) and turned into one validated :class:`step.StepConfig`.
 
+Any generator family (``models/families.py``): the shapes-world model, MAR (class labels), Harmon and NOVA (its
+flow head scored on the recorded SDE transitions); prompts from ``rl/prompts.py`` (the shapes world, class labels
+or a prompt file), rewards from the registry, evaluation on the eval prompts with the RL rewards (mean and spread;
+strict pass and the per-task table too when the prompts are shapes-world prompts). A config with ``init='random'``
+(``configs/{mar,harmon,nova}.py:tiny``) starts from a random-weight instance of its family written into
+``W/random_base`` (``models/random_instance.py``).
+
 Iteration ``it`` draws everything from ``fold_in(key(seed), it)`` and the prompts from ``(seed, it)``, and the
 whole train state is checkpointed: rerunning the same command resumes and ends with the same parameters.
 """
@@ -26,23 +33,42 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 
 from margrpo_jax import checkpoint, config_files, fileio, generate, optim, rng, validate
-from margrpo_jax.data import shapes, tfds_builders
-from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import families
+from margrpo_jax.jobs import eval as eval_job
+from margrpo_jax.models import families, random_instance
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import advantages, config as rl_config, step as step_lib
+from margrpo_jax.rl import advantages, config as rl_config, prompts as rl_prompts, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 
-def _evaluate(graphdef, params, model_cfg, config, records):
-  """Eval summary (strict pass, partial, per task, per-image verdicts) and the images, sampled with the RL
-  rollout settings and ``config.eval.seed``."""
-  images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in records], config.sampling,
+def verifiable(model_cfg, recs: list[dict]) -> bool:
+  """Whether the shapes-world verifier applies: shapes-world prompts and a shapes-world (32 px) generator."""
+  return model_cfg.family == "tiny" and rl_prompts.all_shapes(recs)
+
+
+def eval_rewards(config, shapes_task: bool) -> list[str]:
+  """The rewards the eval scores: every reward the run optimises, and the verifier's strict / partial scores on
+  shapes-world prompts."""
+  names = [k for k, v in config.rl.rewards.items() if v]
+  extra = ["shapes_strict", "shapes_partial"] if shapes_task else []
+  return names + [n for n in extra if n not in names]
+
+
+def _evaluate(graphdef, params, model_cfg, config, recs):
+  """Eval summary and the images, sampled with the eval settings and ``config.eval.seed``: ``rewards`` (the eval
+  job's table: mean, std and count per reward, overall and per category), ``per_image`` values, and, on
+  shapes-world prompts, strict pass, partial and the per-task table."""
+  images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in recs], config.sampling,
                              seed=config.eval.seed, batch_size=config.eval.batch_size)
-  res = generate.score(images, records)
-  out = {k: res[k] for k in ("strict_pass", "partial", "noise", "per_task")}
-  out["per_image"] = [dict(strict=bool(p["strict"]), partial=float(p["partial"])) for p in res["per_image"]]
+  shapes_task = verifiable(model_cfg, recs)
+  values = eval_job.score(images, recs, eval_rewards(config, shapes_task), config.get("rewards"))
+  out = dict(rewards=eval_job.summarize(values, recs)["rewards"],
+             per_image=[{k: float(v[i]) for k, v in values.items()} for i in range(len(recs))])
+  if shapes_task:
+    res = generate.score(images, [r["shapes"] for r in recs])
+    out.update({k: res[k] for k in ("strict_pass", "partial", "noise", "per_task")})
+    for p, q in zip(out["per_image"], res["per_image"]):
+      p.update(strict=bool(q["strict"]), partial=float(q["partial"]))
   return out, images
 
 
@@ -59,7 +85,7 @@ class Setup:
   tx: object
   step_fn: object
   rollout_fn: object
-  diff: gaussian.Diffusion
+  diff: object  # the rollout chain: gaussian.Diffusion, or flow.FlowSchedule for a flow head
   static: step_lib.StepConfig  # rl/config.py's step_config, with the model's own fields
   mesh: object
   state_shardings: dict
@@ -80,23 +106,27 @@ class Setup:
     return {**self.frozen, **self.trained_policy(state)}
 
 
-def _check_rl_family(family: str) -> None:
-  if checkpoint.model_class(family).own_sampler():
-    raise checkpoint.CheckpointError(f"MAR-GRPO for the {family} family (its own sampler and flow head) is not "
-                                     "implemented yet: the loss and batch builder are Gaussian-head only.")
-
-
-def setup(config, params_override=None) -> Setup:
-  """Load ``config.checkpoint`` (default: the shipped base), place it on the mesh of ``config.parallel`` and
-  build the static parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
-  static = rl_config.step_config(config)  # every RL option validated before anything is loaded
-  family = params_override[0].family if params_override else config.model.family if config.get("model") else "tiny"
-  if not (params_override or config.checkpoint) and family != "tiny":
+def base_checkpoint(config, workdir: str | None = None) -> str:
+  """The export RL starts from: ``config.checkpoint``, the random-weight instance of ``config.init='random'``
+  (written into ``W/random_base`` once), or the shipped shapes-world base."""
+  if config.checkpoint:
+    return config.checkpoint
+  if config.get("init") == "random":
+    if workdir is None:
+      raise checkpoint.CheckpointError("config.init='random' needs a workdir to write the random-weight base into")
+    return random_instance.materialize(config.model.family, os.path.join(workdir, "random_base"), config.seed)
+  family = config.model.family if config.get("model") else "tiny"
+  if family != "tiny":
     raise checkpoint.CheckpointError(f"config.checkpoint is not set: a {family} run needs a converted export "
                                      "(python -m margrpo_jax.convert).")
-  _check_rl_family(family)  # before loading: a real checkpoint takes a while
-  model_cfg, graphdef, params = params_override or checkpoint.load_model(config.checkpoint or checkpoint.resolve("shapes_base"))
-  _check_rl_family(model_cfg.family)  # the export's own family (a shapes config may point at any export)
+  return checkpoint.resolve("shapes_base")
+
+
+def setup(config, params_override=None, workdir: str | None = None) -> Setup:
+  """Load the base (:func:`base_checkpoint`), place it on the mesh of ``config.parallel`` and build the static
+  parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
+  static = rl_config.step_config(config)  # every RL option validated before anything is loaded
+  model_cfg, graphdef, params = params_override or checkpoint.load_model(base_checkpoint(config, workdir))
   if config.rl.logp == "mar" and config.rl.reencode and not families.get(model_cfg.family).can_encode():
     raise config_files.ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
                                    "implemented: set rl.reencode=False to score the sampled tokens")
@@ -108,7 +138,7 @@ def setup(config, params_override=None) -> Setup:
   frozen = {k: v for k, v in params.items() if k not in static.trainable}
   sigs = (sharding.signature(policy), sharding.signature(frozen))
   tx, step_fn = step_lib.compiled_step(graphdef, static, mesh, rules, sigs)
-  diff = gaussian.make_diffusion(static.num_train_steps, static.respacing)
+  diff = step_lib.make_chain(static)  # the Gaussian head's respaced diffusion, or NOVA's flow SDE
   rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
                                           params=params, ids_ndim=static.ids_ndim)
   state_sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, static.ids_ndim,
@@ -123,16 +153,19 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   and rewarded. Everything is a function of ``(config.seed, it)``."""
   g, p = config.rl.group_size, config.rl.prompts_per_iter
   r = np.random.default_rng([config.seed, it])
-  mds = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
+  recs = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
+  prompts = [m["prompt"] for m in recs]
   family = families.get(s.model_cfg.family)
-  local = np.asarray(family.prompt_ids(s.model_cfg, [m["prompt"] for m in mds[sharding.host_rows(len(mds))]]))
+  local = np.asarray(family.prompt_ids(s.model_cfg, prompts[sharding.host_rows(len(recs))]))
   ids = sharding.to_global(local, sharding.batch_sharding(s.mesh, local.ndim))  # each host: its share of prompts
   key = jax.random.fold_in(jax.random.key(config.seed), it)
   final, rec = s.rollout_fn({**s.frozen, **policy}, ids, rng.stream(key, "rollout"))
   images = np.asarray(family.decode_images(s.model_cfg, sharding.to_host(final)))
-  reward, parts = registry.compute(config.rl.rewards.to_dict(), images, mds, settings=config.get("rewards"),
-                                   normalize_each=config.rl.get("reward_norm", "none"))
-  return dict(mds=mds, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
+  shapes_task = verifiable(s.model_cfg, recs)  # else the zero-weight verifier rewards are not even logged
+  weights = {k: v for k, v in config.rl.rewards.items() if v or shapes_task or k not in registry.NEEDS_SHAPES}
+  reward, parts = registry.compute(weights, images, [m["metadata"] for m in recs], prompts,
+                                   settings=config.get("rewards"), normalize_each=config.rl.get("reward_norm", "none"))
+  return dict(recs=recs, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
 
 
 def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
@@ -159,8 +192,11 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
     final = sharding.to_global(local, sharding.batch_sharding(s.mesh, 3))
   state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], final, rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
-  strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"], ro["mds"]))
-  m.update(reward=float(reward.mean()), strict_pass=float(np.mean(strict)),
+  if verifiable(s.model_cfg, ro["recs"]):
+    strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"],
+                                                                              [m["shapes"] for m in ro["recs"]]))
+    m["strict_pass"] = float(np.mean(strict))
+  m.update(reward=float(reward.mean()),
            group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))),
            **{f"reward_{name}": float(np.mean(v)) for name, v in ro["parts"].items()})
   return state, m, ro
@@ -173,20 +209,17 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   rl_config.step_config(config)  # a bad option is one sentence before the workdir is touched
   validate.begin_run(config, workdir)  # a rerun must be the same run
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
-  s = setup(config)
+  s = setup(config, workdir=workdir)
   model_cfg, graphdef = s.model_cfg, s.graphdef
-  data_dir = config.tfds_dir or os.path.join(workdir, "tfds")
-  train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
-  eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
-  eval_recs = shapes.stratified_subset(eval_recs, config.eval.num_prompts)  # tasks in turn, distinct prompts
+  train_recs, eval_recs = rl_prompts.load(config, model_cfg, config.tfds_dir or os.path.join(workdir, "tfds"))
+  shapes_task = verifiable(model_cfg, eval_recs)
   mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.save.keep)
   _, state = checkpoint.restore_latest(mngr, s.init_state())
   start = int(state["step"])
   writer.write_texts(start, {"config": "```\n" + config.to_json(indent=2, sort_keys=True) + "\n```"})
 
   base_eval, base_images = _base(config, workdir, s, eval_recs)
-  logging.info("base policy on %d eval prompts: strict %.3f partial %.3f %s", len(eval_recs),
-               base_eval["strict_pass"], base_eval["partial"], _fmt_tasks(base_eval))
+  logging.info("base policy on %d eval prompts: %s", len(eval_recs), _fmt_eval(base_eval))
 
   hist_path = os.path.join(workdir, "metrics.jsonl")
   history = [h for h in fileio.read_jsonl(hist_path) if h.get("iter", start) < start]
@@ -223,8 +256,9 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
       writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
     eta = (f"ETA {(time.time() - t_first) / (it - start) * (end - it - 1) / 60:.1f} min" if it > start
            else "compiled")
-    logging.info("iter %d/%d reward %.3f strict %.3f loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
-                 config.num_iters, m["reward"], m["strict_pass"], m["loss"], m["kl"], m["step_seconds"],
+    logging.info("iter %d/%d reward %.3f%s loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
+                 config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
+                 m["loss"], m["kl"], m["step_seconds"],
                  (time.time() - t0) / 60, eta)
     if (it + 1) % config.save.every == 0 or it + 1 == end:
       checkpoint.save_state(mngr, it + 1, state, f"the RL state after iteration {it + 1}")
@@ -238,16 +272,21 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   logging.info("evaluating the fine-tuned policy on the same %d prompts and seeds ...", len(eval_recs))
   final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs)
   report = dict(base=base_eval, final=final_eval, checkpoint=export, iterations=config.num_iters,
-                eval_prompts=len(eval_recs))
+                eval_prompts=len(eval_recs), prompts=rl_prompts.source(config, model_cfg), family=model_cfg.family,
+                reward_means={k: dict(base=base_eval["rewards"][k]["all"]["mean"],
+                                      final=final_eval["rewards"][k]["all"]["mean"]) for k in base_eval["rewards"]})
   fileio.write_json(os.path.join(workdir, "report.json"), report)
   writer.write_images(config.num_iters, {"eval/before": generate.image_grid(base_images[:64], scale=4)[None],
                                          "eval/after": generate.image_grid(final_images[:64], scale=4)[None]})
-  writer.write_scalars(config.num_iters, {"eval/base_strict_pass": base_eval["strict_pass"],
-                                          "eval/final_strict_pass": final_eval["strict_pass"]})
+  writer.write_scalars(config.num_iters, {f"eval/{when}_{k}": v[when] for k, v in report["reward_means"].items()
+                                          for when in ("base", "final") if v[when] is not None})
   _write_pictures(workdir, eval_recs, base_images, final_images, history, report)
   writer.flush()
-  print(f"strict pass {base_eval['strict_pass']:.3f} (base) -> {final_eval['strict_pass']:.3f} (fine-tuned) on "
-        f"{len(eval_recs)} eval prompts; {_fmt_tasks(final_eval)}; report: {os.path.join(workdir, 'report.md')}")
+  head = (f"strict pass {base_eval['strict_pass']:.3f} (base) -> {final_eval['strict_pass']:.3f} (fine-tuned)"
+          if shapes_task else ", ".join(f"{k} {v['base']:.4f} (base) -> {v['final']:.4f} (fine-tuned)"
+                                         for k, v in report["reward_means"].items()))
+  tasks = f"; {_fmt_tasks(final_eval)}" if shapes_task else ""
+  print(f"{head} on {len(eval_recs)} eval prompts{tasks}; report: {os.path.join(workdir, 'report.md')}")
   return state
 
 
@@ -259,7 +298,8 @@ def _base(config, workdir: str, s: Setup, eval_recs: list[dict]):
     base_images = np.load(os.path.join(workdir, "base_images.npy"))
   except (OSError, ValueError, EOFError):
     base_images = None
-  if base_eval is None or base_images is None or len(base_images) != len(eval_recs):
+  if (base_eval is None or "rewards" not in base_eval or base_images is None
+      or len(base_images) != len(eval_recs)):
     logging.info("evaluating the base policy on %d eval prompts (compiling the sampler first) ...", len(eval_recs))
     base_eval, base_images = _evaluate(s.graphdef, s.params, s.model_cfg, config, eval_recs)
     if jax.process_index() == 0:
@@ -268,17 +308,49 @@ def _base(config, workdir: str, s: Setup, eval_recs: list[dict]):
   return base_eval, base_images
 
 
+def _fmt_eval(ev: dict) -> str:
+  """One line: strict / partial / per task on shapes-world prompts, then every eval reward's mean ± std."""
+  head = f"strict {ev['strict_pass']:.3f} partial {ev['partial']:.3f} {_fmt_tasks(ev)}; " if "strict_pass" in ev else ""
+  return head + ", ".join(f"{k} {v['all']['mean']:.4f} ± {v['all']['std']:.4f}" for k, v in ev["rewards"].items())
+
+
 def _fmt_tasks(ev: dict) -> str:
   return ", ".join(f"{t} {v:.2f}" for t, v in (ev.get("per_task") or {}).items())
 
 
 def _verdict(p: dict) -> str:
-  return ("PASS" if p["strict"] else "fail") + f" {p['partial']:.2f}"
+  """An image's footer: PASS / fail and partial on shapes-world prompts, else its reward values."""
+  if "strict" in p:
+    return ("PASS" if p["strict"] else "fail") + f" {p['partial']:.2f}"
+  return " ".join(f"{k[:6]} {v:.2f}" for k, v in p.items() if np.isfinite(v))
+
+
+def _pair_footer(p: dict, q: dict) -> str:
+  if "strict" in p:
+    return f"{'PASS' if q['strict'] else 'fail'} <- {'PASS' if p['strict'] else 'fail'}"
+  k = next(iter(p))
+  return f"{k[:6]} {q[k]:.2f} <- {p[k]:.2f}"
+
+
+def _markdown(report: dict) -> list[str]:
+  """report.md's tables: strict pass per task (shapes-world prompts) and every eval reward's mean ± std."""
+  b, f = report["base"], report["final"]
+  cell = lambda st: "-" if not st or not st["count"] else f"{st['mean']:.4f} ± {st['std']:.4f}"
+  lines = []
+  if "strict_pass" in b:
+    tasks = sorted(set(b.get("per_task") or {}) | set(f.get("per_task") or {}))
+    row = lambda name, ev: (f"| {name} | {ev['strict_pass']:.3f} | {ev['partial']:.3f} | "
+                            + " | ".join(f"{ev['per_task'].get(t, float('nan')):.3f}" for t in tasks) + " |")
+    lines += ["| | strict pass | partial | " + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks),
+              row("base", b), row("fine-tuned", f), ""]
+  lines += ["| reward (mean ± std over images) | base | fine-tuned |", "|---|---|---|"]
+  lines += [f"| {k} | {cell(b['rewards'][k]['all'])} | {cell(f['rewards'][k]['all'])} |" for k in b["rewards"]]
+  return lines + [""]
 
 
 def _write_pictures(workdir, recs, before, after, history, report):
-  """Before / after grids on the same prompts and seeds (tasks in turn, each image's verdict under it), the pairs
-  side by side, the reward / pass-rate curves, and report.md."""
+  """Before / after grids on the same prompts and seeds (each image's verdict or rewards under it), the pairs
+  side by side, the reward (and, on shapes-world prompts, pass-rate) curves, and report.md."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -292,27 +364,25 @@ def _write_pictures(workdir, recs, before, after, history, report):
                       visualize.captioned_grid(ims[:n], prompts, footers=[_verdict(p) for p in ev["per_image"][:n]]))
   gap = np.full((n,) + before.shape[1:2] + (2, 3), 255, np.uint8)
   pairs = np.concatenate([before[:n], gap, after[:n]], axis=2)
-  footers = [f"{'PASS' if q['strict'] else 'fail'} <- {'PASS' if p['strict'] else 'fail'}"
-             for p, q in zip(b["per_image"][:n], f["per_image"][:n])]
+  footers = [_pair_footer(p, q) for p, q in zip(b["per_image"][:n], f["per_image"][:n])]
   fileio.save_image(os.path.join(workdir, "before_after.png"),
                     visualize.captioned_grid(pairs, prompts, cols=6, footers=footers))
   if history:
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    strict = "strict_pass" in history[0]
+    fig, ax = plt.subplots(1, 2 if strict else 1, figsize=(9 if strict else 4.5, 3.2), squeeze=False)
     it = [h["iter"] + 1 for h in history]
-    ax[0].plot(it, [h["reward"] for h in history])
-    ax[0].set(xlabel="iteration", ylabel="mean rollout reward")
-    ax[1].plot(it, [h["strict_pass"] for h in history])
-    ax[1].set(xlabel="iteration", ylabel="strict pass (rollouts)")
+    ax[0, 0].plot(it, [h["reward"] for h in history])
+    ax[0, 0].set(xlabel="iteration", ylabel="mean rollout reward")
+    if strict:
+      ax[0, 1].plot(it, [h["strict_pass"] for h in history])
+      ax[0, 1].set(xlabel="iteration", ylabel="strict pass (rollouts)")
     fig.tight_layout()
     fileio.save_figure(os.path.join(workdir, "curves.png"), fig)
     plt.close(fig)
-  tasks = sorted(set(b.get("per_task") or {}) | set(f.get("per_task") or {}))
-  row = lambda name, ev: (f"| {name} | {ev['strict_pass']:.3f} | {ev['partial']:.3f} | "
-                          + " | ".join(f"{ev['per_task'].get(t, float('nan')):.3f}" for t in tasks) + " |")
-  md = ["# MAR-GRPO on the shapes world", "", f"{report['iterations']} iterations, "
-        f"{report['eval_prompts']} eval prompts (tasks in turn; same prompts and seeds before and after).", "",
-        "| | strict pass | partial | " + " | ".join(tasks) + " |", "|---|---|---|" + "---|" * len(tasks),
-        row("base", b), row("fine-tuned", f), "", f"Fine-tuned policy: `{report['checkpoint']}`", "",
-        "Each pair: base (left), fine-tuned (right); the verdicts read fine-tuned <- base.", "",
+  what = "the shapes world" if "strict_pass" in b else f"{report['family']} ({report['prompts']})"
+  md = [f"# MAR-GRPO on {what}", "", f"{report['iterations']} iterations, {report['eval_prompts']} eval prompts "
+        "(same prompts and seeds before and after).", ""] + _markdown(report) + [
+        f"Fine-tuned policy: `{report['checkpoint']}`", "",
+        "Each pair: base (left), fine-tuned (right); the footers read fine-tuned <- base.", "",
         "![before and after](before_after.png)", "", "![curves](curves.png)"]
   fileio.write_text(os.path.join(workdir, "report.md"), "\n".join(md) + "\n")

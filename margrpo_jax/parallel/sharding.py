@@ -21,18 +21,20 @@ from margrpo_jax.parallel.mesh import BATCH_AXES
 
 # (regex over "component/.../name", logical axes per dimension); first match wins
 PARAM_AXES = (
+    (r"/patch_embed/proj/kernel$", (None, None, None, "embed")),  # NOVA's patch-embed conv (p, p, c, D)
     (r"/(qkv|fc1)/kernel$", ("embed", "mlp")),            # column-parallel: (D, 3D) / (D, 4D)
     (r"/(qkv|fc1)/bias$", ("mlp",)),
     (r"/(proj|fc2)/kernel$", ("mlp", "embed")),           # row-parallel: (D, D) / (4D, D)
     (r"/(proj|fc2)/bias$", ("embed",)),
     (r"/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", ("embed", "mlp")),  # Qwen2 (Harmon's LLM)
     (r"/(q_proj|k_proj|v_proj)/bias$", ("mlp",)),
-    (r"/(o_proj|down_proj)/kernel$", ("mlp", "embed")),
+    (r"/(o_proj|down_proj|dense)/kernel$", ("mlp", "embed")),  # ... and Phi-2's attention output (NOVA)
+    (r"/dense/bias$", ("embed",)),
     (r"/(z_proj|decoder_embed)/kernel$", (None, "embed")),
     (r"/(z_proj|decoder_embed)/bias$", ("embed",)),
     (r"/\w*norm\w*/(scale|bias)$|/z_proj_ln/(scale|bias)$", ("norm",)),
+    (r"/fake_latent$|/mask_embed/(bos_token|mask_token)$|^null_text$", (None, "embed")),  # (1, D) / (rows, D)
     (r"pos_embed\w*$|/mask_token$|/null_embed$", (None, None, "embed")),   # (1, N, D)
-    (r"/fake_latent$", (None, "embed")),
     (r"/(embedding|class_emb/embedding)$", ("vocab", "embed")),
 )
 REPLICATED_COMPONENTS = ("head",)  # the diffusion head: small, frozen in MAR-GRPO, replicated everywhere

@@ -13,7 +13,7 @@ For each selected AR step ``i`` (``M`` of ``N``, drawn without replacement; with
 * consistency-aware selection ``M'`` from the tentative predictions at ``i`` and ``i - 1``;
 * ``U`` and ``M'`` are chosen from chains drawn for that purpose only (intended) or from the very samples the
   loss scores (official), which correlates the selection with the scored noise;
-* ``k`` diffusion steps (shared by all selected AR steps) drawn from the scored-step window, list positions
+* ``k`` diffusion steps (shared by all selected AR steps, or drawn per AR step) from the scored-step window, list positions
   ``[lo, hi)`` of the ``T`` transitions (every window step when ``num_diffusion_steps = 0``);
 * the frozen reference's transition means and stds.
 
@@ -58,6 +58,8 @@ class BatchConfig:
   loss_tokens: str = "unknown"     # 'unknown': every not-yet-known token (tentative chains too, as the paper and
                                    # the official code) | 'decoded': only the tokens committed at the step (the
                                    # actions that reach the image: plain REINFORCE credit assignment)
+  diffusion_per_ar_step: bool = False  # draw the k diffusion steps per selected AR step (official NOVA) instead
+                                       # of once for all of them (official Harmon)
   logp: str = "chain"              # a token's log-likelihood: 'chain' = its recorded diffusion transitions (the
                                    # paper) | 'elbo' = the head's denoising ELBO of its final value x_0, at
                                    # num_diffusion_steps noise levels of the window with fresh noise | 'mar' =
@@ -118,7 +120,7 @@ def _decoded_mask(rec, i, seq_len):
   return jnp.zeros((b, seq_len), bool).at[jnp.arange(b)[:, None], rec.positions[i]].max(rec.valid[i])
 
 
-def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerConfig, bcfg: BatchConfig,
+def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchConfig,
           lcfg: LossConfig, rec: sampler_lib.Record, final: jax.Array, ids: jax.Array, adv: jax.Array,
           key: jax.Array) -> tuple[TrainBatch, dict]:
   """The training batch of one rollout and ``{'steps': (M,) selected AR steps, 'uncertainty': (M, B, P) per-token
@@ -135,7 +137,7 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
   varied_steps = jnp.nonzero(rec.varied, size=bcfg.num_ar_steps, fill_value=0)[0]
   steps = jnp.where(jnp.all(rec.varied), steps, varied_steps)
   t_count = diff.num_steps  # list position n: x_n -> x_{n+1}, j = T - 1 - n
-  n_sel = diffusion_positions(bcfg, t_count, rng.stream(key, "diff_steps"))
+  n_shared = diffusion_positions(bcfg, t_count, rng.stream(key, "diff_steps"))
   rows = jnp.arange(b)[:, None]
 
   def at_commit(z_rec):  # (N, B, K, D) recorded latents -> (B, L, D): each position's at the step it was decoded
@@ -172,6 +174,8 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
     return dict(j=j, x_t=x_t, x_prev=eps, old_logp=old, ref_mean=ref, ref_std=jnp.ones_like(x_t))
 
   def one_step(i, k_i):
+    n_sel = (diffusion_positions(bcfg, t_count, rng.stream(k_i, "diff_steps")) if bcfg.diffusion_per_ar_step
+             else n_shared)  # the scored diffusion steps: drawn per AR step (official NOVA) or shared
     canvas, unknown = rec.canvas[i], rec.mask[i]
     decoded = _decoded_mask(rec, i, seq_len)
     z_c, z_u = sampler_lib.ar_latents(model, canvas, unknown, cond, null, guided)
@@ -240,10 +244,10 @@ def build(model, ref_model, diff: gaussian.Diffusion, scfg: sampler_lib.SamplerC
       gz = lambda z: None if z is None else jnp.take_along_axis(z, pos[..., None], axis=1)
       rz_c = gz(ref_model.backbone(canvas, ~visible, ref_cond))
       rz_u = gz(ref_model.backbone(canvas, ~visible, ref_model.null_condition(b))) if lcfg.cfg_in_loss else None
-      j = jnp.broadcast_to((t_count - 1 - n_sel)[:, None, None], x_t.shape[:-1])
+      nn = jnp.broadcast_to(n_sel[:, None, None], x_t.shape[:-1])
       bk = lambda z: None if z is None else jnp.broadcast_to(z, (n_sel.shape[0],) + z.shape)
       _, ref_mean, ref_std = sampler_lib.transition_logp(
-          ref_model, diff, x_t, x_prev, j, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
+          ref_model, diff, x_t, x_prev, nn, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
           lcfg.temperature, lcfg.clip_denoised)
     else:
       ref_mean, ref_std = jnp.zeros_like(x_t), jnp.ones_like(x_t)

@@ -15,7 +15,7 @@ from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import batch as batch_lib, loss as loss_lib, step as step_lib
-from margrpo_jax.sampling import sampler as sampler_lib
+from margrpo_jax.sampling import sampler as sampler_lib, schedule as schedule_lib
 
 
 def parse_window(window: str) -> tuple[int, int | None]:
@@ -38,6 +38,17 @@ LOSS_OPTIONS = dict(fidelity=("intended", "official"), ratio=("rollout", "none")
 OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,
                 topk_scope="all", selection_chains="scored", clip_eps=0.0, ratio="none", kl="official",
                 cfg_in_loss=False, sigma_grad=False, mte_actual="replace", sequential_updates=True)
+# ... and where the official NOVA code differs from the official Harmon code (docs/algorithm.md section 13, B6):
+# its MTE duplicates the commit-time cond latent into the uncond slot (unguided) and it averages over channels
+# and draws the scored diffusion steps per AR step and casts its log-probs to bfloat16
+OFFICIAL_NOVA = dict(OFFICIAL, mte_commit_guided=False, channel_reduction="mean", diffusion_per_ar_step=True,
+                     logp_bf16=True)
+
+
+def head_kind(config, model_cfg=None) -> str:
+  """'flow' (NOVA's head) or 'gaussian' (MAR / Harmon / shapes), from the model config."""
+  m = model_cfg if model_cfg is not None else config.get("model")
+  return str(m.get("diffusion", {}).get("kind", "gaussian")) if m is not None else "gaussian"
 
 
 def resolve_fidelity(config) -> list[str]:
@@ -45,8 +56,9 @@ def resolve_fidelity(config) -> list[str]:
   ``key=value`` assignments that changed something."""
   if config.rl.fidelity != "official":
     return []
-  changed = [f"rl.{k}={v!r}" for k, v in OFFICIAL.items() if config.rl[k] != v]
-  config.rl.update(OFFICIAL)
+  official = OFFICIAL_NOVA if head_kind(config) == "flow" else OFFICIAL
+  changed = [f"rl.{k}={v!r}" for k, v in official.items() if config.rl[k] != v]
+  config.rl.update(official)
   return changed
 
 
@@ -66,29 +78,43 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   if rl.num_inner < 1 or rl.num_minibatches < 1 or images % rl.num_minibatches:
     raise config_files.ConfigError(f"rl.num_inner={rl.num_inner} must be >= 1 and rl.num_minibatches="
                                    f"{rl.num_minibatches} >= 1 and divide the {images} images of an iteration")
-  if rl.num_ar_steps < 0 or rl.num_ar_steps > config.sampling.num_steps:
-    raise config_files.ConfigError(f"rl.num_ar_steps={rl.num_ar_steps} must lie in [0, sampling.num_steps="
-                                   f"{config.sampling.num_steps}] (0 = every AR step)")
-  num_ar = rl.num_ar_steps or config.sampling.num_steps
+  ar_steps = config.sampling.num_steps
+  model = model_cfg if model_cfg is not None else config.get("model")
+  if config.sampling.get("mask_schedule") == "cos_round" and model is not None:  # NOVA drops zero-count steps
+    ar_steps = schedule_lib.rounded_cosine_schedule(model.seq_len, ar_steps).num_steps
+  if rl.num_ar_steps < 0 or rl.num_ar_steps > ar_steps:
+    raise config_files.ConfigError(f"rl.num_ar_steps={rl.num_ar_steps} must lie in [0, {ar_steps}], the AR steps "
+                                   f"of sampling.num_steps={config.sampling.num_steps} (0 = every AR step)")
+  num_ar = rl.num_ar_steps or ar_steps
+  is_flow = head_kind(config, model_cfg) == "flow"
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
                                    clip_denoised=float(config.sampling.clip_denoised),
                                    order_group=rl.group_size if rl.shared_order or rl.shared_noise else 1,
-                                   vary_steps=num_ar if rl.shared_noise else 0)
+                                   vary_steps=num_ar if rl.shared_noise else 0,
+                                   mask_schedule=config.sampling.get("mask_schedule", "cosine"))
   bcfg = batch_lib.BatchConfig(num_ar_steps=num_ar, num_diffusion_steps=rl.num_diffusion_steps,
                                diffusion_window=parse_window(rl.diffusion_window), mte_seeds=rl.mte_seeds,
                                topk_fraction=rl.topk_fraction, consistency=rl.consistency,
                                mask_after_step=rl.mask_after_step, mte_latent=rl.mte_latent,
                                mte_commit_guided=rl.mte_commit_guided, topk_scope=rl.topk_scope,
                                selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens,
-                               logp=rl.logp)
+                               logp=rl.logp, diffusion_per_ar_step=bool(rl.diffusion_per_ar_step))
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=rl.ratio, kl=rl.kl,
                              channel_reduction=rl.channel_reduction, cfg_in_loss=rl.cfg_in_loss,
                              temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
                              remat=rl.remat, sigma_grad=rl.sigma_grad, mte_actual=rl.mte_actual,
-                             logp=rl.logp)
-  steps = gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps
+                             logp=rl.logp, logp_bf16=bool(rl.logp_bf16))
+  steps = (int(config.sampling.diffusion_steps) if is_flow else
+           gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps)
+  if is_flow and rl.logp != "chain":
+    raise config_files.ConfigError(f"rl.logp={rl.logp!r} is the Gaussian head's denoising ELBO: a flow head (NOVA) "
+                                   "is scored on its recorded SDE transitions (rl.logp='chain')")
+  noise = float(rl.get("flow_noise_level", 0.7))
+  if is_flow and not 0.0 < noise <= 1.0:
+    raise config_files.ConfigError(f"rl.flow_noise_level={noise} must lie in (0, 1]: the rollouts need a "
+                                   "stochastic flow SDE (0 is NOVA's deterministic ODE, which has no log-prob)")
   try:
     batch_lib.validate(bcfg, steps)
   except ValueError as e:
@@ -108,7 +134,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                            num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates, masked=masked,
                            ema_decay=float(rl.ema_decay), respacing=str(config.sampling.diffusion_steps),
                            optim=config.optim.to_json(sort_keys=True),
-                           total_steps=config.num_iters * rl.num_inner * rl.num_minibatches)
+                           total_steps=config.num_iters * rl.num_inner * rl.num_minibatches,
+                           flow=(noise, float(config.sampling.get("flow_shift", 1.0))) if is_flow else None)
   if model_cfg is None:
     return sc
   family = families.get(model_cfg.family)

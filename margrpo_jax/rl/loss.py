@@ -28,7 +28,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from margrpo_jax.diffusion import gaussian
+from margrpo_jax.diffusion import flow, gaussian
 from margrpo_jax.sampling.sampler import head_output, transition_logp
 
 
@@ -49,6 +49,7 @@ class LossConfig:
   mte_actual: str = "keep"          # a decoded token in U: 'keep' its own chain's estimate | 'include' it in the
                                     # MTE average | 'replace' it by the MTE mean (official)
   logp: str = "chain"               # 'chain': recorded transitions | 'elbo': denoising terms of the final tokens
+  logp_bf16: bool = False           # round the per-token log-probs through bfloat16 (official NOVA's cast)
 
 
 @flax.struct.dataclass
@@ -66,7 +67,8 @@ class TrainBatch:
   decoded: jax.Array       # (M, B, P) bool, the tokens committed at the step (their chains made the image)
   uncertain: jax.Array     # (M, B, P) bool, U (MTE estimate where True)
   uncertain_idx: jax.Array  # (M, B, K) indices into P of U (K = floor(topk_fraction * P); 0 without MTE)
-  j: jax.Array             # (M, k) respaced diffusion steps
+  j: jax.Array             # (M, k) scored diffusion steps j = T - 1 - n (n: list position in the chain; the
+                           # Gaussian head's respaced step, the flow's steps counted from the end)
   x_t: jax.Array           # (M, k, B, P, C) main trajectory
   x_prev: jax.Array        # (M, k, B, P, C)
   old_logp: jax.Array      # (M, k, B, P) per-token rollout log-probs (channel sum)
@@ -106,7 +108,7 @@ def _kl(mean, std, ref_mean, ref_std, cfg: LossConfig):
   return jnp.exp(d) - d - 1.0
 
 
-def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBatch, i, cond, null):
+def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
   """Unreduced policy / KL sums and counts, and metrics, for selected AR step ``i``."""
   canvas, visible, region, keep = (a[i] for a in (batch.canvas, batch.visible, batch.region, batch.keep))
   k = batch.j.shape[1]
@@ -117,12 +119,12 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
   reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
 
   def score(xt, xp, zc, zu):  # (k, B, N, C) transitions under latents (B, N, D) -> per-element logp, mean, std
-    j = jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
+    n = diff.num_steps - 1 - jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
     bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
-    _, mean, std = transition_logp(model, diff, xt, xp, j, bk(zc), bk(zu), scale, cfg.temperature,
+    _, mean, std = transition_logp(model, diff, xt, xp, n, bk(zc), bk(zu), scale, cfg.temperature,
                                    cfg.clip_denoised)
     std = std if cfg.sigma_grad else jax.lax.stop_gradient(std)
-    return gaussian.gaussian_logprob(xp, mean, std), mean, std
+    return flow.transition_logprob(xp, mean, std), mean, std
 
   c = batch.x_t.shape[-1]
   old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
@@ -133,6 +135,8 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
     lp, mean, std = -0.5 * (eps - batch.x_prev[i]) ** 2, eps, batch.ref_std[i]
   else:
     lp, mean, std = score(batch.x_t[i], batch.x_prev[i], z_c, z_u)
+  if cfg.logp_bf16:
+    reduce = (lambda r: lambda e: r(e).astype(jnp.bfloat16).astype(jnp.float32))(reduce)
   logp = reduce(lp)
   q, clipped = _surrogate(logp, batch.old_logp[i] * old_scale, batch.adv, cfg)
   if batch.mte_x_t.shape[0] and batch.uncertain_idx.shape[-1]:  # MTE on the K uncertain tokens only
@@ -162,7 +166,7 @@ def step_terms(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBat
               logp_diff_sum=jnp.sum(keep_k * jnp.abs(logp - batch.old_logp[i] * old_scale)))
 
 
-def loss_fn(model, diff: gaussian.Diffusion, cfg: LossConfig, batch: TrainBatch, steps=None):
+def loss_fn(model, diff, cfg: LossConfig, batch: TrainBatch, steps=None):
   """``(loss, metrics)`` over the selected AR steps ``steps`` (default: all M), reduced as exact means."""
   cond = model.condition(batch.ids)
   null = model.null_condition(batch.ids.shape[0])

@@ -34,7 +34,7 @@ import ml_collections
 from flax import nnx
 
 from margrpo_jax import optim
-from margrpo_jax.diffusion import gaussian
+from margrpo_jax.diffusion import flow, gaussian
 from margrpo_jax.models import objective
 from margrpo_jax.parallel import sharding
 from margrpo_jax.rl import batch as batch_lib, loss as loss_lib
@@ -58,6 +58,15 @@ class StepConfig:
   num_train_steps: int = 1000  # the base's diffusion training steps
   trainable: tuple[str, ...] = ()  # the components the optimizer sees (the policy)
   ids_ndim: int = 2            # condition rank: 1 for class labels, 2 for token ids
+  flow: tuple[float, float] | None = None  # a flow head (NOVA): (rollout SDE noise level, sigma shift); None:
+                                           # the Gaussian head's diffusion
+
+
+def make_chain(sc: StepConfig):
+  """The rollout's per-token chain: the respaced Gaussian diffusion, or the flow SDE schedule (``sc.flow``)."""
+  if sc.flow is not None:
+    return flow.make_flow(int(sc.respacing), sc.flow[0], sc.flow[1], sc.num_train_steps)
+  return gaussian.make_diffusion(sc.num_train_steps, sc.respacing)
 
 
 def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, rec, final, key):
@@ -170,8 +179,8 @@ def compiled_step(graphdef, sc: StepConfig, mesh=None, rules=None, sigs=None):
   train state is donated, the frozen parts and the reference are plain (never donated) arguments. With a
   ``mesh``, ``sigs`` (:func:`sharding.signature` of policy and frozen) give the explicit shardings."""
   tx = optim.make(ml_collections.ConfigDict(json.loads(sc.optim)), sc.trainable, sc.total_steps)
-  diff = gaussian.make_diffusion(sc.num_train_steps, sc.respacing)
-  fn = functools.partial(rl_step, graphdef, tx, diff, sc, train_diff=gaussian.make_diffusion(sc.num_train_steps))
+  train_diff = None if sc.flow is not None else gaussian.make_diffusion(sc.num_train_steps)
+  fn = functools.partial(rl_step, graphdef, tx, make_chain(sc), sc, train_diff=train_diff)
   if mesh is None:
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)

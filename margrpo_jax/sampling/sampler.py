@@ -1,4 +1,5 @@
-r"""The MAR sampler: cosine mask schedule, random order per image, CFG, temperature, in one jitted loop.
+r"""The MAR sampler: cosine mask schedule, random order per image, CFG, temperature, in one jitted loop; the
+same loop samples NOVA (its rounded schedule, flow head: ``sampling/nova.py``).
 
 Per AR step ``s`` (a ``lax.scan`` over the static schedule, so compile time does not grow with ``N``):
 ``z = backbone(canvas, mask, cond)`` (rows ``[cond ; uncond]`` under guidance), then the diffusion head
@@ -8,7 +9,11 @@ the surplus ones are computed and discarded (``valid`` marks the real ones). Dec
 front is equivalent in law to MAR's masking of the order's first ``n`` entries.
 
 CFG (MAR): both branches start from the same noise and are evaluated at the same state ``x``;
-``eps = eps_u + w (eps_c - eps_u)``; the variance channels stay the conditional ones.
+``eps = eps_u + w (eps_c - eps_u)``; the variance channels stay the conditional ones. The per-token chain is
+the Gaussian head's ancestral chain (``diff`` a :class:`gaussian.Diffusion`) or, with ``diff`` a
+:class:`flow.FlowSchedule`, the flow SDE / ODE of :mod:`margrpo_jax.diffusion.flow` with CFG on the velocity
+``v = v_u + w (v_c - v_u)`` and no temperature. Either way the chain's list positions are ``n = 0..T-1``
+(``x_n -> x_{n+1}``; the Gaussian's respaced step is ``j = T - 1 - n``).
 
 With ``record=True`` the sampler also returns a :class:`Record` with what each AR step saw and decoded,
 enough to recompute every transition's log-prob (see :func:`score_step`).
@@ -26,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from margrpo_jax import rng
-from margrpo_jax.diffusion import gaussian
+from margrpo_jax.diffusion import flow, gaussian
 from margrpo_jax.sampling import schedule as schedule_lib
 
 
@@ -42,6 +47,8 @@ class SamplerConfig:
                                  # group baseline is not spent on order luck the policy does not control)
   vary_steps: int = 0            # with order_group g > 1: the rows of a group also share every diffusion noise
                                  # except at this many AR steps, drawn per call (Record.varied); 0: independent
+  mask_schedule: str = "cosine"  # 'cosine' (MAR: floor, >= 1 token per step) | 'cos_round' (NOVA: round,
+                                 # zero-count steps dropped)
 
 
 @flax.struct.dataclass
@@ -73,16 +80,32 @@ class Record:
                   for k, (nd, ax) in cls.LAYOUT.items()})
 
 
-def head_output(model, x, t, z_cond, z_uncond=None, scale=None):
-  """Diffusion-head output ``[eps | v]`` at state ``x``, guided when ``z_uncond`` is given."""
+def is_flow(diff) -> bool:
+  """Whether ``diff`` is a flow schedule (NOVA's head) rather than a Gaussian diffusion."""
+  return isinstance(diff, flow.FlowSchedule)
+
+
+def head_output(model, x, t, z_cond, z_uncond=None, scale=None, velocity: bool = False):
+  """Diffusion-head output at state ``x``, guided when ``z_uncond`` is given: ``[eps | v]`` with CFG on ``eps``
+  (the variance channels stay the conditional ones), or, with ``velocity``, a flow velocity guided as a whole."""
   if z_uncond is None:
     return model.head(x, t, z_cond)
   t = t if t.shape[0] == 1 else jnp.concatenate([t, t])
   out = model.head(jnp.concatenate([x, x]), t, jnp.concatenate([z_cond, z_uncond]))
   out_c, out_u = jnp.split(out, 2)
+  scale = jnp.asarray(scale, out_c.dtype)
+  if velocity:
+    return out_u + scale * (out_c - out_u)
   (eps_c, v_c), (eps_u, _) = gaussian.split_output(out_c), gaussian.split_output(out_u)
-  scale = jnp.asarray(scale, eps_c.dtype)
   return jnp.concatenate([eps_u + scale * (eps_c - eps_u), v_c], axis=-1)
+
+
+def mask_schedule(kind: str, seq_len: int, num_steps: int) -> schedule_lib.MaskSchedule:
+  if kind == "cosine":
+    return schedule_lib.cosine_schedule(seq_len, num_steps)
+  if kind == "cos_round":
+    return schedule_lib.rounded_cosine_schedule(seq_len, num_steps)
+  raise ValueError(f"sampling.mask_schedule={kind!r} is not one of 'cosine', 'cos_round'")
 
 
 def ar_latents(model, canvas, mask, cond, null, guided: bool):
@@ -108,24 +131,45 @@ def group_normal(key, shape, dtype, group: int = 1, shared=False):
   return jnp.where(shared, jnp.repeat(one, group, axis=0), own)
 
 
-def run_chain(model, diff: gaussian.Diffusion, x_init, z_c, z_u, scale, temperature, key, clip_denoised=0.0,
-              group: int = 1, shared=False):
-  """The full ancestral chain from ``x_init`` (B, ..., C); returns ``(x_0, xs (T+1,...), std, logp)``. With
-  ``group > 1`` and ``shared``, each block of ``group`` rows draws one step noise (:func:`group_normal`)."""
-  js = jnp.arange(diff.num_steps - 1, -1, -1)
+def _transition(model, diff, x, n, z_c, z_u, scale, temperature, clip_denoised):
+  """The head's transition from ``x = x_n`` at list positions ``n`` (x.shape[:-1]): ``(mean, std)``."""
+  if is_flow(diff):
+    t = diff.table("t", n)[..., 0]
+    v = head_output(model, x, t, z_c, z_u, scale, velocity=True)
+    mean, std = flow.mean_and_std(diff, v, x, n)
+    return mean, jnp.broadcast_to(std, x.shape)
+  j = diff.num_steps - 1 - n
+  out = head_output(model, x, jnp.asarray(diff.timesteps, jnp.int32)[j], z_c, z_u, scale)
+  mean, log_var = gaussian.mean_and_log_variance(diff, x, j, *gaussian.split_output(out),
+                                                 clip_denoised=clip_denoised)
+  return mean, jnp.exp(0.5 * log_var) * temperature
+
+
+def run_chain(model, diff, x_init, z_c, z_u, scale, temperature, key, clip_denoised=0.0, group: int = 1,
+              shared=False):
+  """The full chain from ``x_init`` (B, ..., C) (Gaussian ancestral or flow, :func:`is_flow`); returns
+  ``(x_final, xs (T+1,...), std, logp)``. With ``group > 1`` and ``shared``, each block of ``group`` rows draws
+  one step noise (:func:`group_normal`)."""
   keys = jax.random.split(key, diff.num_steps)
-  timesteps = jnp.asarray(diff.timesteps, jnp.int32)
+  if is_flow(diff):  # one time embedding for all tokens; the flow has no temperature
+    times = jnp.asarray(diff.t, jnp.float32)
+  else:
+    times = jnp.asarray(diff.timesteps, jnp.int32)[::-1]
 
   def body(x, inp):
-    j, k = inp
-    t = jnp.broadcast_to(timesteps[j], (1,) * (x.ndim - 1))  # one time embedding for all tokens
-    out = head_output(model, x, t, z_c, z_u, scale)
-    x_prev, _, std, logp = gaussian.step(diff, out, x, jnp.full(x.shape[:-1], j),
-                                         group_normal(k, x.shape, x.dtype, group, shared), temperature,
-                                         clip_denoised)
-    return x_prev, (x_prev, std, logp.sum(-1))
+    n, k = inp
+    t = jnp.broadcast_to(times[n], (1,) * (x.ndim - 1))
+    noise = group_normal(k, x.shape, x.dtype, group, shared)
+    nn = jnp.full(x.shape[:-1], n)
+    if is_flow(diff):
+      x_next, _, std, logp = flow.step(diff, head_output(model, x, t, z_c, z_u, scale, velocity=True), x, nn,
+                                       noise)
+    else:
+      x_next, _, std, logp = gaussian.step(diff, head_output(model, x, t, z_c, z_u, scale), x,
+                                           diff.num_steps - 1 - nn, noise, temperature, clip_denoised)
+    return x_next, (x_next, std, logp.sum(-1))
 
-  x0, (xs, std, logp) = jax.lax.scan(body, x_init, (js, keys))
+  x0, (xs, std, logp) = jax.lax.scan(body, x_init, (jnp.arange(diff.num_steps), keys))
   return x0, jnp.concatenate([x_init[None], xs]), std, logp
 
 
@@ -141,12 +185,12 @@ def commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, o
   return (new_canvas, new_mask), rec
 
 
-def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array, null: jax.Array,
+def sample(model, diff, cfg: SamplerConfig, cond: jax.Array, null: jax.Array,
            key: jax.Array, record: bool = False):
   """Generate token canvases (B, L, C) from buffer conditions ``cond`` / ``null`` (B, buffer, D)."""
   bb = model.backbone
   b, seq_len, c = cond.shape[0], bb.seq_len, bb.token_dim
-  sched = schedule_lib.cosine_schedule(seq_len, cfg.num_steps)
+  sched = mask_schedule(cfg.mask_schedule, seq_len, cfg.num_steps)
   scales = schedule_lib.cfg_schedule(sched, seq_len, cfg.cfg_scale, cfg.cfg_schedule)
   guided = cfg.guidance if cfg.guidance is not None else bool(np.any(scales != 1.0))
   k_max = sched.max_count
@@ -155,13 +199,14 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
       jax.random.split(rng.stream(key, "order"), b // g)).astype(jnp.int32)
   order = jnp.repeat(order, g, axis=0)  # consecutive rows of a group share one order (common random numbers)
   order_pad = jnp.concatenate([order, order[:, :k_max]], axis=1)
-  step_keys = jax.random.split(rng.stream(key, "diffusion"), cfg.num_steps)
+  n_steps = sched.num_steps  # NOVA's schedule drops its zero-count steps: n_steps <= cfg.num_steps
+  step_keys = jax.random.split(rng.stream(key, "diffusion"), n_steps)
   share = g > 1 and cfg.vary_steps > 0  # common diffusion noise inside a group except at the varied steps
-  varied = jnp.ones((cfg.num_steps,), bool)
+  varied = jnp.ones((n_steps,), bool)
   if share:
-    drawn = jax.random.choice(rng.stream(key, "varied"), cfg.num_steps, (min(cfg.vary_steps, cfg.num_steps),),
+    drawn = jax.random.choice(rng.stream(key, "varied"), n_steps, (min(cfg.vary_steps, n_steps),),
                               replace=False)
-    varied = jnp.zeros((cfg.num_steps,), bool).at[drawn].set(True)
+    varied = jnp.zeros((n_steps,), bool).at[drawn].set(True)
   group = g if share else 1
 
   def body(carry, inp):
@@ -186,22 +231,20 @@ def sample(model, diff: gaussian.Diffusion, cfg: SamplerConfig, cond: jax.Array,
   return canvas, rec
 
 
-def transition_logp(model, diff: gaussian.Diffusion, x_t, x_prev, j, z_c, z_u=None, scale=None,
-                    temperature: float = 1.0, clip_denoised: float = 0.0):
-  """Score transitions ``x_t -> x_prev`` at respaced steps ``j`` under the head's Gaussian given ``z``.
+def transition_logp(model, diff, x_t, x_prev, n, z_c, z_u=None, scale=None, temperature: float = 1.0,
+                    clip_denoised: float = 0.0):
+  """Score transitions ``x_t -> x_prev`` at chain list positions ``n`` under the head's Gaussian given ``z``
+  (Gaussian diffusion: respaced step ``j = T - 1 - n``; flow: the SDE step ``n``).
 
-  Shapes: ``x_t, x_prev`` (N, ..., C), ``j`` (N, ...), ``z_c / z_u`` (N, ..., D); guided when ``z_u`` is
-  given. Returns elementwise ``(logp, mean, std)``, each (N, ..., C).
+  Shapes: ``x_t, x_prev`` (N, ..., C), ``n`` (N, ...), ``z_c / z_u`` (N, ..., D); guided when ``z_u`` is
+  given. Returns elementwise ``(logp, mean, std)``, each (N, ..., C); ``logp`` is 0 where ``std`` is 0 (a
+  deterministic flow step).
   """
-  t = jnp.asarray(diff.timesteps, jnp.int32)[j]
-  out = head_output(model, x_t, t, z_c, z_u, scale)
-  mean, log_var = gaussian.mean_and_log_variance(diff, x_t, j, *gaussian.split_output(out),
-                                                 clip_denoised=clip_denoised)
-  std = jnp.exp(0.5 * log_var) * temperature
-  return gaussian.gaussian_logprob(x_prev, mean, std), mean, std
+  mean, std = _transition(model, diff, x_t, n, z_c, z_u, scale, temperature, clip_denoised)
+  return flow.transition_logprob(x_prev, mean, std), mean, std
 
 
-def score_step(model, diff: gaussian.Diffusion, cfg: SamplerConfig, rec: Record, step: int, cond, null,
+def score_step(model, diff, cfg: SamplerConfig, rec: Record, step: int, cond, null,
                guided: bool):
   """Recompute the log-probs (T, B, K) and stds of the recorded transitions of AR step ``step``: ``z`` from
   the recorded canvas and mask, then every ``x_j -> x_{j-1}`` scored under the head's Gaussian."""
@@ -209,17 +252,17 @@ def score_step(model, diff: gaussian.Diffusion, cfg: SamplerConfig, rec: Record,
   z_c, z_u = ar_latents(model, r.canvas, r.mask, cond, null, guided)
   zc_sel, zu_sel = _gather(z_c, r.positions), (None if z_u is None else _gather(z_u, r.positions))
   t_count = diff.num_steps
-  js = jnp.broadcast_to(jnp.arange(t_count - 1, -1, -1)[:, None, None], r.xs[1:].shape[:-1])
+  ns = jnp.broadcast_to(jnp.arange(t_count)[:, None, None], r.xs[1:].shape[:-1])
   rep = lambda a: None if a is None else jnp.broadcast_to(a, (t_count,) + a.shape)
   fold = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])  # (T, B, ...) -> (T B, ...)
-  logp, _, std = transition_logp(model, diff, fold(r.xs[:-1]), fold(r.xs[1:]), fold(js), fold(rep(zc_sel)),
+  logp, _, std = transition_logp(model, diff, fold(r.xs[:-1]), fold(r.xs[1:]), fold(ns), fold(rep(zc_sel)),
                                  fold(rep(zu_sel)), r.cfg, cfg.temperature, cfg.clip_denoised)
-  return logp.sum(-1).reshape(js.shape), std.reshape(r.xs[1:].shape)
+  return logp.sum(-1).reshape(ns.shape), std.reshape(r.xs[1:].shape)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(graphdef, diff_key, cfg: SamplerConfig, record: bool, mesh=None, rules=None, sig=None, ids_ndim=2):
-  diff = _DIFFS[diff_key]
+def _jitted(graphdef, dkey, cfg: SamplerConfig, record: bool, mesh=None, rules=None, sig=None, ids_ndim=2):
+  diff = _DIFFS[dkey]
 
   def fn(state, ids, key):
     model = nnx.merge(graphdef, state)
@@ -237,15 +280,22 @@ def _jitted(graphdef, diff_key, cfg: SamplerConfig, record: bool, mesh=None, rul
 _DIFFS: dict = {}
 
 
-def make_sample_fn(graphdef, diff: gaussian.Diffusion, cfg: SamplerConfig, record: bool = False, mesh=None,
+def diff_key(diff) -> tuple:
+  """A hashable identity of a Gaussian diffusion or flow schedule (the jitted samplers are cached by it)."""
+  if is_flow(diff):
+    return ("flow", diff.noise_level, tuple(float(s) for s in diff.sigmas))
+  return ("gaussian", diff.num_steps, tuple(int(t) for t in diff.timesteps))
+
+
+def make_sample_fn(graphdef, diff, cfg: SamplerConfig, record: bool = False, mesh=None,
                    rules=(), params=None, ids_ndim: int = 2):
   """A cached jitted ``fn(state, token_ids, key) -> (tokens, record)`` for a conditioned model; with a
   ``mesh``, params (shaped like ``params``) are sharded by ``rules`` and the batch (condition ids of rank
   ``ids_ndim``: (B, T) token ids, (B,) class labels) over the batch axes."""
-  diff_key = (diff.num_steps, tuple(int(t) for t in diff.timesteps))
-  _DIFFS.setdefault(diff_key, diff)
+  key = diff_key(diff)
+  _DIFFS.setdefault(key, diff)
   if mesh is None:
-    return _jitted(graphdef, diff_key, cfg, record)
+    return _jitted(graphdef, key, cfg, record)
   from margrpo_jax.parallel import sharding
-  return _jitted(graphdef, diff_key, cfg, record, mesh, sharding.hashable_rules(rules), sharding.signature(params),
+  return _jitted(graphdef, key, cfg, record, mesh, sharding.hashable_rules(rules), sharding.signature(params),
                  ids_ndim)

@@ -2,7 +2,9 @@
 
 MAR's cosine schedule over ``N`` steps and ``L`` tokens: after step ``s`` the number still masked is
 ``n_s = clamp(floor(L cos(pi/2 (s+1)/N)), 1, m_s - 1)`` (``m_s`` masked before the step) and 0 after the
-last step; step ``s`` decodes ``m_s - n_s`` tokens. CFG at step ``s``: ``constant`` = w, ``linear`` =
+last step; step ``s`` decodes ``m_s - n_s`` tokens. NOVA's (:func:`rounded_cosine_schedule`):
+``m_i = round(L cos(pi/2 i/N))`` (half to even, as numpy and torch round), ``counts_i = m_i - m_{i+1}``, zero
+counts dropped (L = 1024, N = 64: 63 steps 1, 2, 2, 3, ...). CFG at step ``s``: ``constant`` = w, ``linear`` =
 ``1 + (w - 1) (L - n_s) / L`` (Muse-style, with MAR's pre-override ``n_s`` at the last step).
 """
 from __future__ import annotations
@@ -43,6 +45,17 @@ def cosine_schedule(seq_len: int, num_steps: int) -> MaskSchedule:
   counts = np.array(counts, np.int32)
   return MaskSchedule(counts=counts, starts=np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32),
                       remaining=np.array(remaining, np.int32))
+
+
+def rounded_cosine_schedule(seq_len: int, num_steps: int) -> MaskSchedule:
+  """NOVA's schedule (module docstring); ``remaining`` = tokens still masked after each step."""
+  if num_steps < 1:
+    raise ValueError(f"num_steps={num_steps} must be at least 1")
+  m = np.round(np.cos(math.pi / 2 * np.arange(num_steps + 1) / num_steps) * seq_len).astype(np.int64)
+  counts = m[:-1] - m[1:]
+  counts = counts[counts > 0].astype(np.int32)
+  starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+  return MaskSchedule(counts=counts, starts=starts, remaining=(seq_len - starts - counts).astype(np.int32))
 
 
 def cfg_schedule(sched: MaskSchedule, seq_len: int, scale: float, kind: str = "linear") -> np.ndarray:

@@ -246,7 +246,7 @@ def check_eval(config) -> None:
 def check_sample(config) -> None:
   if config.checkpoint:
     _check_export(config.checkpoint, "config.checkpoint", "sample")
-  elif config.get("model"):
+  elif config.get("model") and config.get("init") != "random":
     raise ConfigError("config.checkpoint is not set: convert the official weights with `python -m "
                       "margrpo_jax.convert` and pass the output folder")
 

@@ -11,7 +11,7 @@ import pytest
 
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.jobs import rl as rl_job
-from margrpo_jax.models import families
+from margrpo_jax.models import families, random_instance
 
 
 def _leaves(tree):
@@ -67,3 +67,16 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   h.rl.fidelity = "official"
   rl_config.resolve_fidelity(h)
   assert {k: h.rl[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL and not h.rl.logp_bf16
+
+
+def test_tiny_configs_sample_from_their_random_base(tmp_path):
+  """``mode=sample`` on a tiny config needs no checkpoint: the random-weight base is written once into
+  ``W/random_base`` and reused (the same export RL starts from)."""
+  from margrpo_jax.jobs import sample
+  c = config_files.load("mar", "tiny")
+  ckpt, model_cfg, _, _ = sample.load_for_sampling(c, str(tmp_path))
+  assert ckpt == str(tmp_path / "random_base" / "model") and model_cfg.family == "mar"
+  assert model_cfg.vae_checkpoint == str(tmp_path / "random_base" / "vae")
+  stamp = (tmp_path / "random_base" / "model" / "model.json").stat().st_mtime_ns
+  assert random_instance.materialize("mar", str(tmp_path / "random_base")) == ckpt  # kept, not rewritten
+  assert (tmp_path / "random_base" / "model" / "model.json").stat().st_mtime_ns == stamp

@@ -50,9 +50,14 @@ def _is_shapes(md: dict) -> bool:
 PATHS = ("vae_checkpoint", "tokenizer_path")  # model-block paths a real family needs at sampling time
 
 
-def load_for_sampling(config):
-  """``(checkpoint dir, model_cfg, graphdef, params)``; ``model_cfg`` carries ``config.model``'s paths."""
+def load_for_sampling(config, workdir: str | None = None):
+  """``(checkpoint dir, model_cfg, graphdef, params)``; ``model_cfg`` carries ``config.model``'s paths (a tiny
+  random-weight instance, ``config.init='random'``, carries its own: written into ``W/random_base``)."""
   model = config.get("model")
+  if model is not None and not config.checkpoint and config.get("init") == "random" and workdir:
+    from margrpo_jax.models import random_instance
+    ckpt = random_instance.materialize(model.family, os.path.join(workdir, "random_base"), config.seed)
+    return (ckpt, *checkpoint.load_model(ckpt))
   if model is not None and not config.checkpoint:
     raise checkpoint.CheckpointError("config.checkpoint is not set: convert the official weights with "
                                      "`python -m margrpo_jax.convert` and pass the output folder.")
@@ -68,7 +73,7 @@ def load_for_sampling(config):
 
 def run(config, workdir: str) -> dict:
   recs = load_prompts(config, workdir)
-  ckpt, model_cfg, graphdef, params = load_for_sampling(config)
+  ckpt, model_cfg, graphdef, params = load_for_sampling(config, workdir)
   logging.info("sampling %d prompts from %s", len(recs), ckpt)
   images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in recs], config.sampling,
                              seed=config.seed, batch_size=config.batch_size, progress=True)

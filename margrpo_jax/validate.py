@@ -183,11 +183,11 @@ def check_rl(config) -> None:
                         "model; python -m margrpo_jax.convert)")
   if config.get("init") == "random" and not config.checkpoint:
     from margrpo_jax.models import families, random_instance
-    try:
-      model_cfg = random_instance.tiny_config(config.model.family if config.get("model") else "tiny")
-    except ValueError as e:
-      raise ConfigError(f"config.init='random': {e}") from None
-    cls = families.generator(model_cfg.family)
+    family = config.model.family if config.get("model") else "tiny"
+    if family not in random_instance.FAMILIES:
+      raise ConfigError(f"config.init='random': no tiny instance of the {family!r} family (one of "
+                        f"{', '.join(random_instance.FAMILIES)})")
+    model_cfg, cls = config.model, families.generator(family)
   else:
     path = config.checkpoint or ("shapes_base" if not config.get("model") else "")
     if not path:

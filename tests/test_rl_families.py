@@ -78,5 +78,5 @@ def test_tiny_configs_sample_from_their_random_base(tmp_path):
   assert ckpt == str(tmp_path / "random_base" / "model") and model_cfg.family == "mar"
   assert model_cfg.vae_checkpoint == str(tmp_path / "random_base" / "vae")
   stamp = (tmp_path / "random_base" / "model" / "model.json").stat().st_mtime_ns
-  assert random_instance.materialize("mar", str(tmp_path / "random_base")) == ckpt  # kept, not rewritten
+  assert random_instance.materialize(c.model, str(tmp_path / "random_base")) == ckpt  # kept, not rewritten
   assert (tmp_path / "random_base" / "model" / "model.json").stat().st_mtime_ns == stamp

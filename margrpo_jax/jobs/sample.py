@@ -56,7 +56,7 @@ def load_for_sampling(config, workdir: str | None = None):
   model = config.get("model")
   if model is not None and not config.checkpoint and config.get("init") == "random" and workdir:
     from margrpo_jax.models import random_instance
-    ckpt = random_instance.materialize(model.family, os.path.join(workdir, "random_base"), config.seed)
+    ckpt = random_instance.materialize(model, os.path.join(workdir, "random_base"), config.seed)
     return (ckpt, *checkpoint.load_model(ckpt))
   if model is not None and not config.checkpoint:
     raise checkpoint.CheckpointError("config.checkpoint is not set: convert the official weights with "

@@ -3,7 +3,7 @@ own code paths (MAR's class embedding, Harmon's Qwen2.5 between the MAR encoder 
 encoder and flow head, each with its VAE decoder) at small widths, built from nothing outside the repository.
 
 :func:`tiny_config` gives the model config of a family; :func:`materialize` writes, once per folder, everything a
-converted checkpoint would bring: the model export (``model/``, random weights drawn from ``seed``), a VAE export
+converted checkpoint would bring for a model config (``config.model`` of a tiny config): the model export (``model/``, random weights drawn from ``seed``), a VAE export
 (``vae/``, random weights) and, for the text families, a byte-level ``tokenizer.json`` (every UTF-8 byte is one
 token, plus Qwen's chat special tokens; no merges, so no training data). The model's ``model.json`` points at the
 other two, so sampling, RL, eval and export treat the folder like any converted checkpoint.
@@ -89,12 +89,15 @@ def _save(folder: str, cfg: ml_collections.ConfigDict, seed: int) -> str:
   return checkpoint.save_model(folder, params, cfg)
 
 
-def materialize(family: str, folder: str, seed: int = 0) -> str:
-  """Write the tiny ``family`` instance under ``folder`` (kept when already there); returns the model export.
-  Deterministic in ``seed``: the same folder content on every machine."""
+def materialize(model_cfg: ml_collections.ConfigDict, folder: str, seed: int = 0) -> str:
+  """Write a random-weight instance of ``model_cfg`` (a :func:`tiny_config`, possibly overridden) under
+  ``folder`` (kept when already there); returns the model export. Deterministic in ``seed``."""
+  family = model_cfg.family
+  if family not in FAMILIES:
+    raise ValueError(f"no tiny instance of the {family!r} family (one of {', '.join(FAMILIES)})")
   folder = os.path.abspath(folder)
   os.makedirs(folder, exist_ok=True)
-  cfg = tiny_config(family)
+  cfg = ml_collections.ConfigDict(model_cfg.to_dict())
   cfg.vae_checkpoint = _save(os.path.join(folder, "vae"), vae_config(family), seed + 1)
   if family in ("harmon", "nova"):
     cfg.tokenizer_path = os.path.join(folder, "tokenizer.json")

@@ -37,6 +37,8 @@ CASES = [
     ("advantage", "main", [RL, "--config.rl.advantage=ppo"], "rl.advantage='ppo'"),
     ("kl_typo", "main", [RL, "--config.rl.kl=gausian"], "rl.kl='gausian'"),
     ("logp", "main", [RL, "--config.rl.logp=pixel"], "rl.logp='pixel'"),
+    ("pixel_ratio", "main", [RL, "--config.rl.uncertainty_unit=pixel"], "rl.uncertainty_unit='pixel'"),
+    ("topk_random", "main", [RL, "--config.rl.topk_random=1"], "rl.topk_random=1"),
     ("fidelity", "main", [RL, "--config.rl.fidelity=exact"], "rl.fidelity='exact'"),
     ("window", "main", [RL, "--config.rl.diffusion_window=1-3"], "rl.diffusion_window='1-3'"),
     ("minibatches", "main", [RL, "--config.rl.num_minibatches=3"], "rl.num_minibatches=3"),

@@ -18,14 +18,17 @@ def _leaves(tree):
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("family", ["mar", "harmon", "nova"])
-def test_tiny_family_rl_end_to_end(family, tmp_path):
+@pytest.mark.parametrize("family,fidelity", [("mar", "intended"), ("harmon", "intended"), ("nova", "intended"),
+                                             ("nova", "official")])
+def test_tiny_family_rl_end_to_end(family, fidelity, tmp_path):
   config = config_files.load(family, "tiny")
   config.eval.update(num_prompts=2, batch_size=2)
+  config.rl.fidelity = fidelity  # official NOVA: per-pixel U + 1 random pixel, unguided commit-time MTE, bf16 ...
   wd = str(tmp_path / "w")
-  iters = 2 if family == "nova" else 1
+  resume = family == "nova" and fidelity == "intended"
+  iters = 2 if resume else 1
   config.num_iters = iters
-  if family == "nova":  # killed after its first iteration, then the same command resumes
+  if resume:  # killed after its first iteration, then the same command resumes
     rl_job.run(config, wd, max_iters_this_run=1)
     assert not (tmp_path / "w" / "report.json").exists()
   rl_job.run(config, wd)
@@ -36,7 +39,9 @@ def test_tiny_family_rl_end_to_end(family, tmp_path):
 
   history = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [h["iter"] for h in history] == list(range(iters))
-  assert history[0]["logp_diff"] < 1e-5  # |log rho| at the first update: the rollout rescored exactly
+  # |log rho| at the first update: the rollout rescored exactly. The official code scores other transitions than
+  # it sampled (post-step visibility B1, no guidance in the loss; its ratio is 1 by construction, 'none').
+  assert history[0]["logp_diff"] < 1e-5 or (fidelity == "official" and np.isfinite(history[0]["logp_diff"]))
   assert history[0]["grad_norm"] > 0
 
   _, _, base = checkpoint.load_model(str(tmp_path / "w" / "random_base" / "model"))
@@ -54,7 +59,7 @@ def test_tiny_family_rl_end_to_end(family, tmp_path):
 
 def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   """``rl.fidelity=official`` on a flow-head model writes the official NOVA values (unguided commit-time MTE, channel
-  mean, diffusion steps drawn per AR step, bfloat16 log-probs) on top of the shared official switches."""
+  mean, diffusion steps drawn per AR step, bfloat16 log-probs, U per latent pixel + 1 random pixel) on top of the shared official switches."""
   from margrpo_jax.rl import config as rl_config
   c = config_files.load("nova", "tiny")
   c.rl.fidelity = "official"
@@ -63,6 +68,7 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   sc = rl_config.step_config(c, c.model)
   assert sc.batch.diffusion_per_ar_step and sc.loss.logp_bf16 and sc.loss.channel_reduction == "mean"
   assert not sc.batch.mte_commit_guided and sc.flow == (0.7, 1.0) and sc.sampler.mask_schedule == "cos_round"
+  assert (sc.batch.uncertainty_unit, sc.batch.pixel_channels, sc.batch.topk_random) == ("pixel", 4, 1)
   h = config_files.load("harmon", "tiny")
   h.rl.fidelity = "official"
   rl_config.resolve_fidelity(h)

@@ -240,3 +240,28 @@ def test_elbo_log_likelihood_scores_the_final_tokens(rollout):
   moved = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
   err = lambda p: -float(loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, pos)[1]["policy"])
   assert err(moved) < err(params)
+
+
+def test_per_pixel_uncertainty_mixes_the_mte_estimate_per_element(rollout):
+  """Official NOVA (A3, C3): U ranks latent pixels (here 4 of 12 values per 48-value token) over all positions and
+  adds one random pixel; the loss mixes the MTE estimate per element. Under ratio='none' its gradient is affine
+  in the element mask (so it is the official per-element mixture), and whole-token masks give the token path."""
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=2, mte_seeds=2, topk_scope="all",
+                                         uncertainty_unit="pixel", pixel_channels=12, topk_random=1), params)
+  elems = np.asarray(batch.uncertain_elems)  # (M, B, L, 48)
+  px = elems.reshape(elems.shape[:-1] + (4, 12))
+  assert (px == px[..., :1]).all()  # whole pixels
+  np.testing.assert_array_equal(px[..., 0].sum((-1, -2)), np.floor(0.3 * 64 * 4) + 1)  # top 76 + 1 random
+  np.testing.assert_array_equal(np.asarray(batch.uncertain), px[..., 0].any(-1))
+  lcfg = dataclasses.replace(LCFG, ratio="none", clip_eps=0.0, beta=0.0, mte_actual="replace")
+  grad = jax.jit(lambda b: jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, b)[0])(params))
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  with_elems = lambda e: flat(grad(batch.replace(uncertain_elems=jnp.asarray(e))))
+  low = elems & (np.arange(48) < 24)
+  g, g0, g1, g2 = (with_elems(e) for e in (elems, np.zeros_like(elems), low, elems & ~low))
+  assert np.abs(g - g0).max() > 1e-3 * np.abs(g).max()  # the MTE chains contribute
+  np.testing.assert_allclose(g - g0, (g1 - g0) + (g2 - g0), atol=1e-5 * np.abs(g).max())
+  whole = np.broadcast_to(np.asarray(batch.uncertain)[..., None], elems.shape)
+  tokens = flat(grad(batch.replace(uncertain_elems=jnp.zeros(elems.shape[:-1] + (0,), bool))))
+  np.testing.assert_allclose(with_elems(whole), tokens, atol=1e-5 * np.abs(tokens).max())

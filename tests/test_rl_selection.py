@@ -1,4 +1,5 @@
 """Advantages and token selection (MAR-GRPO's stabilisers) on small hand-checked cases."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +29,19 @@ def test_advantages_by_hand():
 def test_uncertainty_is_channel_mean_of_population_std():
   s = jnp.array([[[[0.0, 2.0]]], [[[2.0, 2.0]]]])  # S=2, B=1, L=1, C=2
   np.testing.assert_allclose(selection.uncertainty(s), [[0.5]])  # std over S: (1, 0) -> mean 0.5
+
+
+def test_pixel_uncertainty_reads_channel_fastest_patches_and_random_pixels_fill_the_rest():
+  """A token of 2 pixels x 2 channels laid out (pixel, channel): pixel 0 varies over the seeds, pixel 1 does not;
+  the token's uncertainty is the mean of its pixels'. ``add_random`` adds ``count`` new eligible entries."""
+  s = jnp.array([[[[0.0, 2.0, 5.0, 5.0]]], [[[2.0, 2.0, 5.0, 5.0]]]])  # S=2, B=1, L=1, C=4
+  np.testing.assert_allclose(selection.pixel_uncertainty(s, 2), [[[0.5, 0.0]]])
+  np.testing.assert_allclose(selection.uncertainty(s), [[0.25]])
+  mask = jnp.zeros((3, 10), bool).at[:, :3].set(True)
+  eligible = jnp.ones((3, 10), bool).at[2, 3:].set(False)  # row 2: nothing left to add
+  for seed in range(5):
+    out = np.asarray(selection.add_random(mask, eligible, jax.random.key(seed), 2))
+    assert (out[:, :3]).all() and list(out.sum(-1)) == [5, 5, 3] and not out[2, 3:].any()
 
 
 @pytest.mark.parametrize("frac,k", [(0.3, 19), (0.25, 16), (0.0, 0), (1.0, 64)])

@@ -53,6 +53,10 @@ class BatchConfig:
   mte_commit_guided: bool = False  # with 'commit': CFG at the constant sampler scale from the commit-time cond
                                    # and uncond latents (official Harmon); False: unguided (official NOVA, B6)
   topk_scope: str = "region"       # U among the loss region's tokens | 'all' positions (official)
+  uncertainty_unit: str = "token"  # U ranks tokens | 'pixel': the latent pixels of pixel_channels values inside
+                                   # each token, MTE mixed per element (official NOVA, A3)
+  pixel_channels: int = 0          # values per latent pixel (0: the whole token; NOVA: its VAE's 4 channels)
+  topk_random: int = 0             # pixels drawn uniformly among the rest and added to U (official NOVA: 1, C3)
   selection_chains: str = "independent"  # U and M' from chains of their own | 'scored': from the scored samples
                                          # (official)
   loss_tokens: str = "unknown"     # 'unknown': every not-yet-known token (tentative chains too, as the paper and
@@ -68,7 +72,7 @@ class BatchConfig:
 
 OPTIONS = dict(mte_latent=("step", "commit"), topk_scope=("region", "all"),
                selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"),
-               logp=("chain", "elbo", "mar"))
+               logp=("chain", "elbo", "mar"), uncertainty_unit=("token", "pixel"))
 
 
 def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[int, int]:
@@ -93,6 +97,12 @@ def validate(bcfg: BatchConfig, num_steps: int) -> None:
   if bcfg.mte_seeds < 0 or not 0.0 <= bcfg.topk_fraction <= 1.0:
     raise ValueError(f"rl.mte_seeds={bcfg.mte_seeds} must be >= 0 and rl.topk_fraction={bcfg.topk_fraction} "
                      "in [0, 1]")
+  if bcfg.topk_random < 0 or (bcfg.topk_random and bcfg.uncertainty_unit != "pixel"):
+    raise ValueError(f"rl.topk_random={bcfg.topk_random} counts extra random latent pixels of U (official NOVA: 1): "
+                     "it must be >= 0 and needs rl.uncertainty_unit='pixel'")
+  if bcfg.uncertainty_unit == "pixel" and not bcfg.mte_seeds:
+    raise ValueError("rl.uncertainty_unit='pixel' ranks latent pixels by the spread of the MTE trajectories: it "
+                     "needs rl.mte_seeds > 0")
   if bcfg.num_ar_steps < 1:
     raise ValueError(f"rl.num_ar_steps={bcfg.num_ar_steps} must be at least 1")
   if bcfg.logp == "elbo" and bcfg.mte_seeds:
@@ -208,7 +218,8 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       keep = selection.consistency_filter(region, decoded, selection.moved_closer(pred, prev_final, final), i)
     region, keep, decoded_p = at_p(region) & valid, at_p(keep) & valid, at_p(decoded) & valid
     # MTE trajectories and the uncertainty top-k. Only the uncertain tokens' trajectories are kept (the loss
-    # uses the MTE estimate nowhere else), gathered to (S, T + 1, B, K_U, C); idx indexes P.
+    # uses the MTE estimate nowhere else; per pixel, every scored token's), gathered to (S, T + 1, B, K_U, C); idx
+    # indexes P.
     if bcfg.mte_seeds:
       if bcfg.mte_latent == "step":
         zm_c, zm_u, mte_scale = z_c, z_u, rec.cfg[i]
@@ -217,12 +228,30 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       seeds = lambda name: jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, mte_scale, kk))(
           jax.random.split(rng.stream(k_i, name), bcfg.mte_seeds))
       mte_xs, mte_logp = seeds("mte")
-      u = at_p(selection.uncertainty(seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1]))
-      if bcfg.topk_scope == "region":  # the top fraction of the loss region's tokens
-        idx, unc = selection.topk_in_region(u, region, bcfg.topk_fraction)
-      else:  # official: the top fraction of all L positions, known tokens included
-        idx = selection.topk_indices(u, bcfg.topk_fraction)
-        unc = selection.indices_to_mask(idx, u.shape[-1])
+      spread = seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1]  # (S, B, L, C) final samples
+      if bcfg.uncertainty_unit == "pixel":  # U over the L p^2 latent pixels; every token keeps its MTE chains
+        per_pix = bcfg.pixel_channels or spread.shape[-1]
+        u_px = jnp.take_along_axis(selection.pixel_uncertainty(spread, per_pix), pos[..., None], axis=1)
+        n_px = u_px.shape[-1]
+        scope = jnp.repeat(region if bcfg.topk_scope == "region" else jnp.ones_like(region), n_px, axis=-1)
+        flat = u_px.reshape(b, -1)
+        if bcfg.topk_scope == "region":
+          unc_px = selection.topk_in_region(flat, scope, bcfg.topk_fraction)[1]
+        else:
+          unc_px = selection.topk_mask(flat, bcfg.topk_fraction)
+        if bcfg.topk_random:
+          unc_px = selection.add_random(unc_px, scope, rng.stream(k_i, "topk_random"), bcfg.topk_random)
+        unc_px = unc_px.reshape(u_px.shape)
+        u, unc, idx = u_px.mean(-1), unc_px.any(-1), jnp.broadcast_to(jnp.arange(pos.shape[1]), pos.shape)
+        elems = jnp.repeat(unc_px, per_pix, axis=-1)  # (B, P, C): the elements that take the MTE estimate
+      else:
+        u = at_p(selection.uncertainty(spread))
+        if bcfg.topk_scope == "region":  # the top fraction of the loss region's tokens
+          idx, unc = selection.topk_in_region(u, region, bcfg.topk_fraction)
+        else:  # official: the top fraction of all L positions, known tokens included
+          idx = selection.topk_indices(u, bcfg.topk_fraction)
+          unc = selection.indices_to_mask(idx, u.shape[-1])
+        elems = jnp.zeros(idx.shape + (0,), bool)
       idx_l = jnp.take_along_axis(pos, idx, axis=1)
       take = lambda a: jnp.take_along_axis(a, idx_l.reshape((1, 1) + idx_l.shape + (1,) * (a.ndim - 4)), axis=3)
       mte_xs, mte_logp = take(mte_xs), take(mte_logp)
@@ -232,8 +261,9 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
       u = jnp.zeros(pos.shape)
       unc = jnp.zeros(pos.shape, bool)
+      elems = jnp.zeros((b, 0, 0), bool)
     common = dict(canvas=canvas, visible=visible, positions=pos, region=region, keep=keep, decoded=decoded_p,
-                  uncertain=unc, uncertain_idx=idx, cfg=rec.cfg[i], u=u, mte_x_t=mte_xs[:, n_sel],
+                  uncertain=unc, uncertain_idx=idx, uncertain_elems=elems, cfg=rec.cfg[i], u=u, mte_x_t=mte_xs[:, n_sel],
                   mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel])
     if bcfg.logp == "elbo":  # denoising terms of the final tokens at the chosen noise levels (j = T - 1 - n)
       return dict(common, **elbo_terms(i, canvas, visible, pos, xs[-1], t_count - 1 - n_sel, k_i))
@@ -259,7 +289,7 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
   swap = lambda a: jnp.moveaxis(a, 0, 1)  # (M, S, ...) -> (S, M, ...)
   return TrainBatch(ids=ids, adv=adv, cfg=per["cfg"], canvas=per["canvas"], visible=per["visible"],
                     positions=per["positions"], region=per["region"], keep=per["keep"], decoded=per["decoded"], uncertain=per["uncertain"],
-                    uncertain_idx=per["uncertain_idx"], j=per["j"],
+                    uncertain_idx=per["uncertain_idx"], uncertain_elems=per["uncertain_elems"], j=per["j"],
                     x_t=per["x_t"], x_prev=per["x_prev"], old_logp=per["old_logp"], ref_mean=per["ref_mean"],
                     ref_std=per["ref_std"], mte_x_t=swap(per["mte_x_t"]), mte_x_prev=swap(per["mte_x_prev"]),
                     mte_old_logp=swap(per["mte_old_logp"])), dict(steps=steps, uncertainty=per["u"])

@@ -40,9 +40,10 @@ OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit",
                 cfg_in_loss=False, sigma_grad=False, mte_actual="replace", sequential_updates=True)
 # ... and where the official NOVA code differs from the official Harmon code (docs/algorithm.md section 13, B6):
 # its MTE duplicates the commit-time cond latent into the uncond slot (unguided) and it averages over channels
-# and draws the scored diffusion steps per AR step and casts its log-probs to bfloat16
+# and draws the scored diffusion steps per AR step and casts its log-probs to bfloat16; its uncertainty top-k ranks
+# latent pixels (a quarter token) and adds one random pixel (A3, C3)
 OFFICIAL_NOVA = dict(OFFICIAL, mte_commit_guided=False, channel_reduction="mean", diffusion_per_ar_step=True,
-                     logp_bf16=True)
+                     logp_bf16=True, uncertainty_unit="pixel", topk_random=1)
 
 
 def head_kind(config, model_cfg=None) -> str:
@@ -100,7 +101,9 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                mask_after_step=rl.mask_after_step, mte_latent=rl.mte_latent,
                                mte_commit_guided=rl.mte_commit_guided, topk_scope=rl.topk_scope,
                                selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens,
-                               logp=rl.logp, diffusion_per_ar_step=bool(rl.diffusion_per_ar_step))
+                               logp=rl.logp, diffusion_per_ar_step=bool(rl.diffusion_per_ar_step),
+                               uncertainty_unit=rl.uncertainty_unit,
+                               topk_random=int(rl.topk_random))
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=rl.ratio, kl=rl.kl,
                              channel_reduction=rl.channel_reduction, cfg_in_loss=rl.cfg_in_loss,
                              temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
@@ -119,6 +122,10 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     batch_lib.validate(bcfg, steps)
   except ValueError as e:
     raise config_files.ConfigError(str(e)) from None
+  if bcfg.uncertainty_unit == "pixel" and rl.ratio != "none":
+    raise config_files.ConfigError("rl.uncertainty_unit='pixel' mixes the MTE estimate per latent pixel inside a "
+                                   "token, exact only for the official linear surrogate: set rl.ratio='none' (the "
+                                   "rollout log-probs are kept per token)")
   if rl.logp == "mar" and (rl.sequential_updates or rl.train_head):
     raise config_files.ConfigError("rl.logp='mar' scores whole images with MAR's training loss: it has no AR steps "
                                    "to update in turn (rl.sequential_updates) and trains the AR side only "
@@ -140,5 +147,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     return sc
   family = families.get(model_cfg.family)
   trainable = family.policy_components + (("head",) if rl.train_head else ())
+  pixel = int(model_cfg.get("latent_channels", 0))  # NOVA's tokens are 2 x 2 patches of 4-channel pixels
   return dataclasses.replace(sc, num_train_steps=int(model_cfg.diffusion.num_train_steps), trainable=trainable,
-                             ids_ndim=family.condition_ndim)
+                             ids_ndim=family.condition_ndim,
+                             batch=dataclasses.replace(bcfg, pixel_channels=pixel))

@@ -7,11 +7,14 @@ under the frozen head:
     l(x_j -> x_{j-1}) = reduce_c log N(x_{j-1}; mu_head(x_j, j, z_i), sigma^2)     (channel sum | mean)
     rho = exp(l - l_old),   q = min(rho A, clip(rho, 1 - eps, 1 + eps) A)           (PPO, per token and step)
     qbar = (1 - U) q^{main} + U (1/S) sum_s q^{(s)}                                 (MTE on uncertain tokens)
+    qbar = q(reduce_c [(1 - U_e) l_e^{main} + U_e (1/S) sum_s l_e^{(s)}])         (per latent pixel, ratio 'none')
     policy = sum M' qbar / sum M'         KL = sum M kappa / sum M                  (unreduced sums + counts)
     loss = -(policy - beta KL)
 
 ``M`` is the loss region, ``M'`` the region after consistency-aware selection, ``U`` the top-k uncertain
-tokens. A token decoded at step ``i`` keeps its own chain's ``q^{main}`` inside ``U`` (``mte_actual='keep'``;
+tokens. With ``U`` per latent pixel (official NOVA, A3) the mixture is per element ``e`` of the token; under
+``ratio='none'`` the surrogate is linear in ``l`` (value 1, gradient ``A grad l``), so mixing the log-probs before
+``q`` gives exactly the gradient of the official per-element mixture of surrogates. A token decoded at step ``i`` keeps its own chain's ``q^{main}`` inside ``U`` (``mte_actual='keep'``;
 'include' averages it with the ``S`` others, 'replace' is the official overwrite): only that chain made the
 image, the MTE chains are drawn independently of it and carry no reward signal (docs/rl_signal.md).
 With ``sigma_grad`` the policy's ``sigma(z)`` is differentiable in ``l`` and ``kappa`` alike, else detached in both. ``kappa`` is the KL between the two transition Gaussians (policy vs frozen reference) summed over
@@ -67,6 +70,8 @@ class TrainBatch:
   decoded: jax.Array       # (M, B, P) bool, the tokens committed at the step (their chains made the image)
   uncertain: jax.Array     # (M, B, P) bool, U (MTE estimate where True)
   uncertain_idx: jax.Array  # (M, B, K) indices into P of U (K = floor(topk_fraction * P); 0 without MTE)
+  uncertain_elems: jax.Array  # (M, B, K, C) bool, per latent pixel: the elements of each U token that take the
+                              # MTE estimate (last axis 0: U is per token)
   j: jax.Array             # (M, k) scored diffusion steps j = T - 1 - n (n: list position in the chain; the
                            # Gaussian head's respaced step, the flow's steps counted from the end)
   x_t: jax.Array           # (M, k, B, P, C) main trajectory
@@ -80,7 +85,7 @@ class TrainBatch:
 
   # the batch axis of every per-image field (cfg and j have none)
   BATCH_AXES = dict(ids=0, adv=0, canvas=1, visible=1, positions=1, region=1, keep=1, decoded=1, uncertain=1,
-                    uncertain_idx=1, x_t=2, x_prev=2, old_logp=2, ref_mean=2, ref_std=2, mte_x_t=3, mte_x_prev=3,
+                    uncertain_idx=1, uncertain_elems=1, x_t=2, x_prev=2, old_logp=2, ref_mean=2, ref_std=2, mte_x_t=3, mte_x_prev=3,
                     mte_old_logp=3)
 
   def rows(self, start, size: int) -> "TrainBatch":
@@ -142,17 +147,29 @@ def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
   if batch.mte_x_t.shape[0] and batch.uncertain_idx.shape[-1]:  # MTE on the K uncertain tokens only
     idx = batch.uncertain_idx[i]
     take = lambda z: None if z is None else jnp.take_along_axis(z, idx[..., None], axis=1)
-    lp_s = jax.vmap(lambda xt, xp: reduce(score(xt, xp, take(z_c), take(z_u))[0]))(batch.mte_x_t[:, i],
-                                                                                  batch.mte_x_prev[:, i])
-    q_s, _ = jax.vmap(lambda l, o: _surrogate(l, o * old_scale, batch.adv, cfg))(lp_s, batch.mte_old_logp[:, i])
+    per_elem = batch.uncertain_elems.shape[-1] > 0
+    lp_s = jax.vmap(lambda xt, xp: score(xt, xp, take(z_c), take(z_u))[0])(batch.mte_x_t[:, i],
+                                                                          batch.mte_x_prev[:, i])  # (S, k, B, K, C)
     rows = jnp.arange(idx.shape[0])[:, None]
-    own, mte = q[:, rows, idx], q_s.mean(0)  # (k, B, K)
     at_u = lambda m: jnp.take_along_axis(m, idx, axis=1)[None]  # (B, L) mask -> (1, B, K)
+    if per_elem:  # mix the element log-probs, then one surrogate per token (exact for ratio='none')
+      own, mte, mine = lp[:, rows, idx], lp_s.mean(0), batch.uncertain_elems[i][None]  # (k, B, K, C)
+      extra = (own + lp_s.sum(0)) / (lp_s.shape[0] + 1)
+    else:
+      q_s, _ = jax.vmap(lambda l, o: _surrogate(l, o * old_scale, batch.adv, cfg))(
+          reduce(lp_s), batch.mte_old_logp[:, i])
+      own, mte, mine = q[:, rows, idx], q_s.mean(0), at_u(batch.uncertain[i])  # (k, B, K)
+      extra = (own + q_s.sum(0)) / (q_s.shape[0] + 1)
+    dec = at_u(batch.decoded[i])[(...,) + (None,) * per_elem]
     if cfg.mte_actual == "keep":
-      mte = jnp.where(at_u(batch.decoded[i]), own, mte)
+      mte = jnp.where(dec, own, mte)
     elif cfg.mte_actual == "include":
-      mte = jnp.where(at_u(batch.decoded[i]), (own + q_s.sum(0)) / (q_s.shape[0] + 1), mte)
-    q = q.at[:, rows, idx].set(jnp.where(at_u(batch.uncertain[i]), mte, own))
+      mte = jnp.where(dec, extra, mte)
+    mixed = jnp.where(mine, mte, own)
+    if per_elem:
+      mixed = reduce(mixed)
+      mixed = _surrogate(mixed, mixed, batch.adv, cfg)[0]
+    q = q.at[:, rows, idx].set(mixed)
   if not cfg.beta:
     kl = jnp.zeros(q.shape)
   elif cfg.logp == "elbo":  # the two denoisers' squared eps difference (their KL up to the level weights)

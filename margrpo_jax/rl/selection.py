@@ -5,6 +5,9 @@ latent, ``u[b, l] = mean_c std_s(x0^{(s)}[b, l, c])`` (population std). ``U = to
 ``floor(frac * L)`` most uncertain tokens of each image (``jax.lax.top_k``: among equal values the lower
 position wins, so exactly ``floor(frac * L)`` tokens are selected, ties included): the official rule, known
 tokens included. :func:`topk_in_region` takes the top fraction of the loss region's tokens instead.
+Per latent pixel (official NOVA, A3): a token of ``C = p^2 c`` values laid out ``(ph, pw, c)`` holds ``p^2`` pixels;
+``u[b, l, x] = mean_c std_s(x0^{(s)}[b, l, x, c])`` ranks the ``L p^2`` pixels instead, and
+:func:`add_random` adds the official one uniformly drawn pixel (C3).
 
 Consistency (docs/algorithm.md section 7): a still-undecoded token at AR step ``i > 1`` is kept only if its tentative
 prediction moved toward the final image between steps ``i - 1`` and ``i``:
@@ -18,9 +21,16 @@ import jax
 import jax.numpy as jnp
 
 
+def pixel_uncertainty(samples: jax.Array, channels: int) -> jax.Array:
+  """``samples`` (S, B, L, C) -> uncertainty (B, L, C // channels) of each token's pixels of ``channels`` values
+  (channel fastest: the ``(ph, pw, c)`` patch layout)."""
+  s = samples.reshape(samples.shape[:-1] + (samples.shape[-1] // channels, channels))
+  return jnp.std(s, axis=0).mean(axis=-1)
+
+
 def uncertainty(samples: jax.Array) -> jax.Array:
   """``samples`` (S, B, L, C) -> per-token uncertainty (B, L)."""
-  return jnp.std(samples, axis=0).mean(axis=-1)
+  return pixel_uncertainty(samples, samples.shape[-1])[..., 0]
 
 
 def topk_count(num_tokens: int, fraction: float) -> int:
@@ -44,6 +54,14 @@ def topk_in_region(u: jax.Array, region: jax.Array, fraction: float) -> tuple[ja
   valid = jnp.arange(idx.shape[-1]) < want[:, None]
   mask = jnp.zeros(region.shape, bool).at[jnp.arange(idx.shape[0])[:, None], idx].max(valid)
   return idx, mask
+
+
+def add_random(mask: jax.Array, eligible: jax.Array, key: jax.Array, count: int) -> jax.Array:
+  """``mask`` (B, N) plus ``count`` entries per row drawn uniformly among ``eligible & ~mask`` (fewer where fewer
+  are left): official NOVA's extra random pixel, ``max(1, int(0.0 N)) = 1`` (C3)."""
+  score = jnp.where(eligible & ~mask, jax.random.uniform(key, mask.shape), -1.0)
+  val, idx = jax.lax.top_k(score, count)
+  return mask.at[jnp.arange(mask.shape[0])[:, None], idx].max(val >= 0)
 
 
 def indices_to_mask(idx: jax.Array, length: int) -> jax.Array:

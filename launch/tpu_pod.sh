@@ -293,10 +293,13 @@ cmd_run() {
   local cmdline script
   cmdline="$(printf '%q ' .venv/bin/python -m margrpo_jax.main "--config=$CONFIG" "--workdir=$WORKDIR" \
     --config.parallel.distributed=True "${EXTRA[@]}")"
-  if [[ "$WORKDIR" != gs://* ]]; then
-    echo "note: workdir $WORKDIR must be shared by all workers on a multi-host slice (an NFS mount):" \
-      "checkpoints are written collectively; gs:// workdirs are not supported by the jobs yet." >&2
+  if [[ "$WORKDIR" == *://* ]]; then
+    echo "error: workdir $WORKDIR is a URL: the jobs write through the local file system only; give a folder" \
+      "every worker shares (an NFS / Filestore mount, or a bucket mounted with gcsfuse)." >&2
+    return 2
   fi
+  echo "note: workdir $WORKDIR must be shared by all workers on a multi-host slice (an NFS mount):" \
+    "checkpoints are written collectively." >&2
   script="$(remote_env)"$'\n'"CMDLINE=$(printf '%q' "$cmdline")"$'\n'"$(cat <<'EOF'
 set -euo pipefail
 cd ~ && cd "$REMOTE_DIR"

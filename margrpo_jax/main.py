@@ -55,6 +55,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _WORKDIR.value is None:
     _fail("--workdir is required (the directory for checkpoints, logs and outputs).")
+  if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", _WORKDIR.value):
+    _fail(f"--workdir={_WORKDIR.value} is a URL: the jobs write through the local file system only, so give a "
+          "local or mounted folder (a bucket mounted with gcsfuse, say) instead.")
   try:
     config = _CONFIG.value
     _ = config.mode  # the flag defers load errors to the first attribute access

@@ -64,6 +64,7 @@ CASES = [
     ("ckpt_garbage_json", "main", [RL, "--config.checkpoint={T}/garbage"], "model.json is not a model config"),
     ("ckpt_unknown_family", "main", [RL, "--config.checkpoint={T}/alien"], "names model family 'alien'"),
     ("workdir_is_file", "main", [RL, "--workdir={T}/a_file"], "is a file, not a folder"),
+    ("workdir_url", "main", [RL, "--workdir=gs://bucket/run"], "--workdir=gs://bucket/run is a URL"),
     ("workdir_under_file", "main", [RL, "--workdir={T}/a_file/run"], "cannot be created"),
     ("resume_other_config", "main", [RL, "--workdir={T}/old_run", "--config.optim.lr=1e-3",
                                      "--config.eval.num_prompts=4"], "eval.num_prompts (512 -> 4)"),
@@ -156,6 +157,10 @@ def test_bad_input_is_one_sentence_and_exit_2(results, cid, needle):
   assert len(errors) == 1 and needle in errors[0], output[-2000:]
   assert "Traceback" not in output
   assert not wd.exists() or cid.startswith("convert"), f"{wd} was created"
+
+
+def test_a_url_workdir_creates_no_local_folder_named_after_it(results):
+  assert results["workdir_url"][0] == 2 and not (REPO / "gs:").exists()
 
 
 def test_a_refused_resume_leaves_the_run_as_it_was(results):

@@ -71,7 +71,10 @@ def main(argv):
   from margrpo_jax.models import families
   from margrpo_jax.parallel import mesh
   if "parallel" in config:
-    mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
+    try:
+      mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
+    except mesh.CoordinatorError as e:
+      _fail(_sentence(e))
   try:
     _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)), _ALLOW_CHANGES.value)
   except (UserError, config_files.ConfigError, checkpoint.CheckpointError, prompt_files.PromptFileError,

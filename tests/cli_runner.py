@@ -3,7 +3,8 @@ each command runs in a forked child (its own flags, devices and exit code), as a
 
     python tests/cli_runner.py CASES.json RESULTS.json
 
-CASES.json: ``[{"module": "margrpo_jax.main" | "margrpo_jax.convert", "argv": [...], "cwd": DIR}]``;
+CASES.json: ``[{"module": "margrpo_jax.main" | "margrpo_jax.convert", "argv": [...], "cwd": DIR, "env": {...}}]``
+("env" optional: variables set in that child only);
 RESULTS.json: ``[{"returncode": int, "output": stdout + stderr}]`` in the same order.
 """
 import json
@@ -22,6 +23,7 @@ def run_case(case: dict) -> dict:
     code = 1
     try:
       os.chdir(case["cwd"])
+      os.environ.update(case.get("env", {}))
       from absl import app
       sys.argv = [case["module"]] + case["argv"]
       if case["module"] == "margrpo_jax.main":

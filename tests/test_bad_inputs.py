@@ -4,6 +4,7 @@ the key, value or file, no traceback, and nothing in the workdir touched. The co
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -65,6 +66,8 @@ CASES = [
     ("ckpt_unknown_family", "main", [RL, "--config.checkpoint={T}/alien"], "names model family 'alien'"),
     ("workdir_is_file", "main", [RL, "--workdir={T}/a_file"], "is a file, not a folder"),
     ("workdir_url", "main", [RL, "--workdir=gs://bucket/run"], "--workdir=gs://bucket/run is a URL"),
+    ("coordinator_silent", "main", [RL, "--config.parallel.distributed=True", "--config.parallel.init_timeout_s=2"],
+     "did not answer within 2 s"),
     ("workdir_under_file", "main", [RL, "--workdir={T}/a_file/run"], "cannot be created"),
     ("resume_other_config", "main", [RL, "--workdir={T}/old_run", "--config.optim.lr=1e-3",
                                      "--config.eval.num_prompts=4"], "eval.num_prompts (512 -> 4)"),
@@ -110,6 +113,17 @@ CASES = [
 ]
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+# per-case environment: process 1 of 2 whose coordinator (a port nobody listens on) never answers
+ENV = {"coordinator_silent": dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES="2",
+                                  JAX_PROCESS_ID="1")}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   """``{case id: (returncode, output, fixture folder, workdir)}`` for every case, run in one batch."""
@@ -136,7 +150,7 @@ def results(tmp_path_factory):
     args = [a.replace("{T}", str(fx)).replace("{W}", str(wd)) for a in args]
     if module == "main" and not any(a.startswith("--workdir=") for a in args):
       args.append(f"--workdir={wd}")
-    cases.append(dict(module=f"margrpo_jax.{module}", argv=args, cwd=str(REPO)))
+    cases.append(dict(module=f"margrpo_jax.{module}", argv=args, cwd=str(REPO), env=ENV.get(cid, {})))
   (root / "cases.json").write_text(json.dumps(cases))
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
   subprocess.run([sys.executable, str(REPO / "tests" / "cli_runner.py"), str(root / "cases.json"),

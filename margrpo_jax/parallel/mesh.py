@@ -5,6 +5,7 @@
   mesh = {data: -1, fsdp: 1, tensor: 1}   # -1: the devices left over by the other axes
   rules = [[logical, mesh axis | [axes] | None], ...]   # logical parameter axes -> mesh axes (maxtext-style)
   distributed = False                     # call jax.distributed.initialize() first (multi-host pods)
+  init_timeout_s = 300                    # how long a process waits for the coordinator (then one sentence)
 
 Data parallelism shards the batch over ``data`` and ``fsdp``; FSDP additionally shards each parameter's
 ``embed`` dimension over ``fsdp`` (gathered per layer by XLA); tensor parallelism shards the ``mlp`` (and
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import time
 
 import jax
 import ml_collections
@@ -38,7 +41,29 @@ def config() -> ml_collections.ConfigDict:
       mesh=dict(data=-1, fsdp=1, tensor=1),
       rules=[list(r) for r in DEFAULT_RULES],
       distributed=False,
+      init_timeout_s=300,
   ))
+
+
+class CoordinatorError(RuntimeError):
+  """The multi-host coordinator did not answer in time (a user-facing sentence)."""
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Return once a TCP connection to ``host:port`` succeeds; raise :class:`CoordinatorError` after
+  ``timeout_s`` seconds (JAX itself aborts the process when its own wait runs out)."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=2.0).close()
+      return
+    except (OSError, ValueError):
+      if time.monotonic() >= deadline:
+        raise CoordinatorError(f"the coordinator JAX_COORDINATOR_ADDRESS={address} did not answer within "
+                               f"{timeout_s:g} s (parallel.init_timeout_s): is process 0 running and reachable?"
+                               ) from None
+      time.sleep(0.5)
 
 
 def resolve_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
@@ -70,11 +95,15 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
 
 def initialize(parallel_cfg) -> None:
   """``jax.distributed.initialize()`` when ``parallel.distributed``: TPU pods and SLURM are auto-detected;
-  elsewhere ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are passed on."""
+  elsewhere ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are passed on, and a
+  non-zero process first waits at most ``parallel.init_timeout_s`` for the coordinator to answer."""
   if not parallel_cfg.distributed:
     return
   env = os.environ
-  kw = {}
+  timeout = int(parallel_cfg.get("init_timeout_s", 300))
+  kw = dict(initialization_timeout=timeout)
   if "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env:
-    kw = dict(num_processes=int(env["JAX_NUM_PROCESSES"]), process_id=int(env["JAX_PROCESS_ID"]))
+    kw.update(num_processes=int(env["JAX_NUM_PROCESSES"]), process_id=int(env["JAX_PROCESS_ID"]))
+    if kw["process_id"] and env.get("JAX_COORDINATOR_ADDRESS"):  # a bounded wait with a sentence, not an abort
+      wait_for_coordinator(env["JAX_COORDINATOR_ADDRESS"], timeout)
   jax.distributed.initialize(**kw)

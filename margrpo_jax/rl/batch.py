@@ -263,8 +263,8 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       unc = jnp.zeros(pos.shape, bool)
       elems = jnp.zeros((b, 0, 0), bool)
     common = dict(canvas=canvas, visible=visible, positions=pos, region=region, keep=keep, decoded=decoded_p,
-                  uncertain=unc, uncertain_idx=idx, uncertain_elems=elems, cfg=rec.cfg[i], u=u, mte_x_t=mte_xs[:, n_sel],
-                  mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel])
+                  uncertain=unc, uncertain_idx=idx, uncertain_elems=elems, cfg=rec.cfg[i], u=u,
+                  mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel])
     if bcfg.logp == "elbo":  # denoising terms of the final tokens at the chosen noise levels (j = T - 1 - n)
       return dict(common, **elbo_terms(i, canvas, visible, pos, xs[-1], t_count - 1 - n_sel, k_i))
     # Reference transitions at the chosen diffusion steps (not computed without a KL term: beta = 0).

@@ -14,9 +14,10 @@ under the frozen head:
 ``M`` is the loss region, ``M'`` the region after consistency-aware selection, ``U`` the top-k uncertain
 tokens. With ``U`` per latent pixel (official NOVA, A3) the mixture is per element ``e`` of the token; under
 ``ratio='none'`` the surrogate is linear in ``l`` (value 1, gradient ``A grad l``), so mixing the log-probs before
-``q`` gives exactly the gradient of the official per-element mixture of surrogates. A token decoded at step ``i`` keeps its own chain's ``q^{main}`` inside ``U`` (``mte_actual='keep'``;
-'include' averages it with the ``S`` others, 'replace' is the official overwrite): only that chain made the
-image, the MTE chains are drawn independently of it and carry no reward signal (docs/rl_signal.md).
+``q`` gives exactly the gradient of the official per-element mixture of surrogates. A token decoded at step
+``i`` keeps its own chain's ``q^{main}`` inside ``U`` (``mte_actual='keep'``; 'include' averages it with the
+``S`` others, 'replace' is the official overwrite): only that chain made the image, the MTE chains are drawn
+independently of it and carry no reward signal (docs/rl_signal.md).
 With ``sigma_grad`` the policy's ``sigma(z)`` is differentiable in ``l`` and ``kappa`` alike, else detached in both. ``kappa`` is the KL between the two transition Gaussians (policy vs frozen reference) summed over
 channels, or, with ``kl='official'``, MAR-GRPO's ``exp(mu_ref - mu) - (mu_ref - mu) - 1`` per element.
 Without old log-probs (``ratio='none'``, the official code) ``rho = exp(l - stop_grad(l)) = 1`` in value and
@@ -85,8 +86,8 @@ class TrainBatch:
 
   # the batch axis of every per-image field (cfg and j have none)
   BATCH_AXES = dict(ids=0, adv=0, canvas=1, visible=1, positions=1, region=1, keep=1, decoded=1, uncertain=1,
-                    uncertain_idx=1, uncertain_elems=1, x_t=2, x_prev=2, old_logp=2, ref_mean=2, ref_std=2, mte_x_t=3, mte_x_prev=3,
-                    mte_old_logp=3)
+                    uncertain_idx=1, uncertain_elems=1, x_t=2, x_prev=2, old_logp=2, ref_mean=2, ref_std=2,
+                    mte_x_t=3, mte_x_prev=3, mte_old_logp=3)
 
   def rows(self, start, size: int) -> "TrainBatch":
     """The images ``[start, start + size)`` of the batch (``start`` may be traced; ``size`` is static)."""

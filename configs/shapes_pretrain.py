@@ -36,7 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the head's eps error into latents of std ~ 500
   c.sampling = dict(num_steps=16, diffusion_steps="25", cfg_scale=3.0, cfg_schedule="linear", temperature=1.0,
                     clip_denoised=1.0 if "patches" in parts else 5.0)
-  c.eval = dict(every=1000, num_prompts=128, batch_size=64, seed=0)
+  # every `every` steps: `num_prompts` eval prompts; after the last step: `final_num_prompts` (0: all 512)
+  c.eval = dict(every=1000, num_prompts=128, final_num_prompts=0, batch_size=64, seed=0)
   c.checkpoint = dict(every=250, keep=3)
   if "smoke" in parts:
     c.model.text.update(width=32, depth=1, num_heads=2)
@@ -45,6 +46,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.batch_size, c.num_steps, c.log_every = 8, 4, 2
     c.optim.warmup_steps = 2
     c.sampling.update(num_steps=4, diffusion_steps="5")
-    c.eval.update(every=4, num_prompts=8, batch_size=8)
+    c.eval.update(every=4, num_prompts=8, final_num_prompts=8, batch_size=8)
     c.checkpoint.every = 2
   return c

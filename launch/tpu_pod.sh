@@ -39,9 +39,8 @@ Options (each also settable through the environment variable in brackets):
                              v6e v2-alpha-tpuv6e)
   -c, --config CFG           config [CONFIG] (default configs/shapes_rl.py:margrpo)
   -w, --workdir DIR          workdir [WORKDIR] (default runs/NAME, relative to the code dir on each worker);
-                             on multi-host slices give a directory every host shares (an NFS /
-                             Filestore mount): checkpoints are written collectively (the jobs do not
-                             write to gs:// paths yet)
+                             on multi-host slices give gs://BUCKET/PATH or a directory every host
+                             shares (an NFS / Filestore mount): checkpoints are written collectively
       --spot                 create a Spot slice [SPOT=1]
       --queued               create through a queued resource (waits until it is ACTIVE) [QUEUED=1];
                              its id is NAME-qr unless QR_ID is set
@@ -57,7 +56,7 @@ LOG_LINES (lines per worker printed by logs, default 40), NUM_WORKERS (worker co
 DRY_RUN=1).
 
 Examples:
-  launch/tpu_pod.sh -n my-v4 -z us-central2-b -t v4-32 all --config.num_iters=200
+  launch/tpu_pod.sh -n my-v4 -z us-central2-b -t v4-32 -w gs://my-bucket/margrpo/v4 all --config.num_iters=200
   launch/tpu_pod.sh -n my-v6e -z us-east5-b -t v6e-16 --spot --queued -w /mnt/shared/margrpo/v6e \
       all --config.parallel.mesh.data=-1 --config.parallel.mesh.fsdp=4
   launch/tpu_pod.sh -n my-v4 -z us-central2-b logs -f
@@ -293,13 +292,14 @@ cmd_run() {
   local cmdline script
   cmdline="$(printf '%q ' .venv/bin/python -m margrpo_jax.main "--config=$CONFIG" "--workdir=$WORKDIR" \
     --config.parallel.distributed=True "${EXTRA[@]}")"
-  if [[ "$WORKDIR" == *://* ]]; then
-    echo "error: workdir $WORKDIR is a URL: the jobs write through the local file system only; give a folder" \
-      "every worker shares (an NFS / Filestore mount, or a bucket mounted with gcsfuse)." >&2
+  if [[ "$WORKDIR" == *://* && "$WORKDIR" != gs://* ]]; then
+    echo "error: workdir $WORKDIR: only gs:// URLs are supported (or a folder every worker shares)." >&2
     return 2
   fi
-  echo "note: workdir $WORKDIR must be shared by all workers on a multi-host slice (an NFS mount):" \
-    "checkpoints are written collectively." >&2
+  if [[ "$WORKDIR" != gs://* ]]; then
+    echo "note: workdir $WORKDIR must be shared by all workers on a multi-host slice (an NFS mount, or use" \
+      "gs://BUCKET/run): checkpoints are written collectively." >&2
+  fi
   script="$(remote_env)"$'\n'"CMDLINE=$(printf '%q' "$cmdline")"$'\n'"$(cat <<'EOF'
 set -euo pipefail
 cd ~ && cd "$REMOTE_DIR"

@@ -24,6 +24,7 @@ from flax import nnx
 
 from margrpo_jax import fileio
 from margrpo_jax.models import families
+from margrpo_jax.parallel import hosts, sharding
 
 
 class CheckpointError(ValueError):
@@ -42,6 +43,8 @@ def _disk_full(e: BaseException) -> bool:
 def check_space(directory: str, tree, what: str) -> None:
   """Refuse (one :class:`StorageError`) a save of ``tree`` whose bytes exceed the free space where ``directory``
   lives: a save that starts and then runs out of space fails inside Orbax's writer threads, loudly."""
+  if fileio.is_url(directory):  # a bucket: no free-space figure to check
+    return
   need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
   folder = os.path.abspath(directory)
   while not os.path.exists(folder):
@@ -84,11 +87,11 @@ def resolve(path: str) -> str:
   absolute (``~`` expanded). Model configs refer to shipped exports by name, so exports carry no machine path."""
   if path in SHIPPED:
     return os.path.join(ASSETS, path)
-  return os.path.abspath(os.path.expanduser(path))
+  return fileio.resolve(path)
 
 
 def manager(directory: str, keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
-  return ocp.CheckpointManager(os.path.abspath(directory), options=ocp.CheckpointManagerOptions(
+  return ocp.CheckpointManager(fileio.resolve(directory), options=ocp.CheckpointManagerOptions(
       max_to_keep=keep, enable_async_checkpointing=async_save, create=True))
 
 
@@ -160,12 +163,13 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, detail: str) -> None:
   """Rename checkpoint ``step`` to ``<step>.unreadable`` (kept for inspection) and forget it."""
   path = os.path.join(os.fspath(mngr.directory), str(step))
   aside = path + ".unreadable"
-  if jax.process_index() == 0 and os.path.isdir(path):
+  if fileio.isdir(path):
     n = 0
-    while os.path.exists(aside):
+    while fileio.exists(aside):
       n += 1
       aside = f"{path}.unreadable{n}"
-    os.replace(path, aside)
+    fileio.rename(path, aside)
+  hosts.barrier(f"set_aside:{step}")  # the others reload once process 0 has renamed it
   mngr.reload()
   logging.warning("checkpoint step %d in %s cannot be read (%s); set aside as %s, resumed from an older one.",
                   step, mngr.directory, detail, os.path.basename(aside))
@@ -216,17 +220,19 @@ def model_class(family: str):
 
 
 def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dtype=None) -> str:
-  """Write a params-only export (optionally cast, e.g. to bfloat16) and its ``model.json``."""
-  directory = os.path.abspath(directory)
+  """Write a params-only export (optionally cast, e.g. to bfloat16) and its ``model.json``. Every process calls
+  it: arrays sharded across processes are gathered (``sharding.to_host``), so the export holds plain arrays that
+  load on any number of devices."""
+  directory = fileio.resolve(directory)
   if not all_finite(params):
     raise NonFiniteError(f"the parameters to export to {directory} hold NaN or Inf values; nothing was written.")
   if dtype is not None:
     params = jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, params)
   check_space(directory, params, "the export")
-  os.makedirs(directory, exist_ok=True)
+  fileio.makedirs(directory)
   try:
     with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(os.path.join(directory, "params"), jax.device_get(params), force=True)
+      ckptr.save(os.path.join(directory, "params"), jax.tree.map(sharding.to_host, params), force=True)
   except Exception as e:  # noqa: BLE001 - a full disk, reported by Orbax as ValueError
     if _disk_full(e):
       raise StorageError(28, f"the disk holding {directory} is full (no space left while exporting); the train "
@@ -239,14 +245,13 @@ def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dty
 def read_model_config(directory: str, what: str = "checkpoint", family: str | None = None):
   """The ``model.json`` of the export at ``directory`` (checked to be of ``family`` when given), or one sentence
   naming ``what`` and the folder."""
-  directory = os.path.abspath(os.path.expanduser(directory))
+  directory = fileio.resolve(directory)
   cfg_path = os.path.join(directory, "model.json")
-  if not os.path.isfile(cfg_path) or not os.path.isdir(os.path.join(directory, "params")):
+  if not fileio.isfile(cfg_path) or not fileio.isdir(os.path.join(directory, "params")):
     raise CheckpointError(f"{what} {directory} does not exist or is not a model export "
                           "(expected model.json and params/ inside it).")
   try:
-    with open(cfg_path) as f:
-      model_cfg = ml_collections.ConfigDict(json.load(f))
+    model_cfg = ml_collections.ConfigDict(json.loads(fileio.read_text(cfg_path)))
     model_cfg.family
   except (ValueError, AttributeError, TypeError, UnicodeDecodeError):
     raise CheckpointError(f"{cfg_path} is not a model config (JSON with a 'family' key).") from None
@@ -284,7 +289,7 @@ def _stored_tree(ckptr, path: str, directory: str) -> dict:
 def check_export(directory: str, what: str = "checkpoint", family: str | None = None):
   """The ``model.json`` of the export at ``directory`` after checking that its stored parameters are the ones it
   builds (keys and shapes, from the Orbax metadata: nothing is restored)."""
-  directory = os.path.abspath(os.path.expanduser(directory))
+  directory = fileio.resolve(directory)
   model_cfg = read_model_config(directory, what, family)
   _, target = _abstract_params(model_cfg, directory)
   with ocp.StandardCheckpointer() as ckptr:
@@ -295,7 +300,7 @@ def check_export(directory: str, what: str = "checkpoint", family: str | None = 
 def load_model(directory: str):
   """``(model_cfg, graphdef, params)`` of an export written by :func:`save_model`, params as float32; params that
   do not fit ``model.json`` (another model, another width) raise one sentence naming the first mismatch."""
-  directory = os.path.abspath(os.path.expanduser(directory))
+  directory = fileio.resolve(directory)
   model_cfg = read_model_config(directory)
   graphdef, target = _abstract_params(model_cfg, directory)
   path = os.path.join(directory, "params")

@@ -1,17 +1,104 @@
-"""Files the jobs rewrite, written atomically (a temp file in the same folder, then ``os.replace``).
+"""The one file-system layer of the jobs: local paths and URLs (``gs://``), written atomically, by process 0.
 
-A job killed mid-write, or a full disk, leaves the previous version of the file intact; readers of files a run
-appends to (``metrics.jsonl``) or derives (``base_eval.json``) tolerate a damaged copy with one warning.
+Every file a job writes or reads in its workdir (config, metrics, reports, images, arrays, ``model.json``)
+goes through here. Local paths use the OS (a write goes to a temp file in the same folder, then
+``os.replace``); URLs use ``tf.io.gfile`` (an object store writes each object whole, so a killed write
+leaves the previous version). Orbax checkpoints and exports take the same path string as is (tensorstore writes
+``gs://`` natively) and TFDS its data dir. Schemes: :data:`SCHEMES` (``gs://``: everything; ``ram://``,
+TensorFlow's in-memory file system: the files here only, not Orbax's, which is what the tests use it for).
+
+With several processes (multi-host) only process 0 writes (``parallel/hosts.py``): on the others every write
+here is skipped and returns the path, so a job calls these on every process alike. A job killed mid-write, or a
+full disk, leaves the previous version of the file intact; readers of files a run appends to
+(``metrics.jsonl``) or derives (``base_eval.json``) tolerate a damaged copy with one warning.
 """
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
 from absl import logging
+
+from margrpo_jax.parallel import hosts
+
+SCHEMES = ("gs://", "ram://")  # URL schemes the jobs accept (Orbax writes gs:// only: see the docstring)
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class UnsupportedPath(ValueError):
+  """A URL of a scheme the jobs cannot write through (one sentence)."""
+
+
+def is_url(path: str) -> bool:
+  return bool(_URL.match(os.fspath(path)))
+
+
+def check_scheme(path: str, what: str = "path") -> None:
+  """Refuse a URL of a scheme outside :data:`SCHEMES` in one sentence (:class:`UnsupportedPath`)."""
+  m = _URL.match(os.fspath(path))
+  if m and not path.startswith(SCHEMES):
+    raise UnsupportedPath(f"{what} {path}: the {m.group(1)}:// scheme is not supported (use a local folder or "
+                          f"one of {', '.join(SCHEMES)})")
+
+
+def resolve(path: str) -> str:
+  """A local path made absolute (``~`` expanded); a URL as is."""
+  path = os.fspath(path)
+  return path if is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def _gfile():
+  import tensorflow as tf
+  return tf.io.gfile
+
+
+def exists(path: str) -> bool:
+  return _gfile().exists(path) if is_url(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+  return _gfile().isdir(path) if is_url(path) else os.path.isdir(path)
+
+
+def isfile(path: str) -> bool:
+  return exists(path) and not isdir(path)
+
+
+def listdir(path: str) -> list[str]:
+  return [n.rstrip("/") for n in _gfile().listdir(path)] if is_url(path) else os.listdir(path)
+
+
+def makedirs(path: str) -> str:
+  """Make the folder ``path`` (and its parents) on process 0; returns ``path``."""
+  if hosts.is_main():
+    _gfile().makedirs(path) if is_url(path) else os.makedirs(path, exist_ok=True)
+  return path
+
+
+def rename(src: str, dst: str) -> None:
+  """Move ``src`` (a file or folder) to ``dst`` on process 0."""
+  if hosts.is_main():
+    _gfile().rename(src, dst) if is_url(src) else os.replace(src, dst)
+
+
+def read_bytes(path: str) -> bytes:
+  if is_url(path):
+    with _gfile().GFile(path, "rb") as f:
+      return f.read()
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def read_text(path: str) -> str:
+  return read_bytes(path).decode("utf-8")
+
+
+def load_npy(path: str) -> np.ndarray:
+  return np.load(io.BytesIO(read_bytes(path)))
 
 
 _UMASK = os.umask(0o022)
@@ -19,7 +106,16 @@ os.umask(_UMASK)
 
 
 def write_bytes(path: str, data: bytes) -> str:
-  """Write ``data`` to ``path`` atomically (mode 0666 less the umask, as ``open`` would); returns ``path``."""
+  """Write ``data`` to ``path`` atomically (mode 0666 less the umask, as ``open`` would); returns ``path``.
+  Nothing is written on a process other than 0."""
+  if not hosts.is_main():
+    return path
+  if is_url(path):
+    gfile = _gfile()
+    gfile.makedirs(path.rsplit("/", 1)[0])
+    with gfile.GFile(path, "wb") as f:
+      f.write(data)
+    return path
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
@@ -70,11 +166,10 @@ def save_figure(path: str, fig, dpi: int = 120) -> str:
 def read_json(path: str):
   """The JSON at ``path``, or None (with one warning) when it is missing or damaged (a derived file the caller
   recomputes)."""
-  if not os.path.exists(path):
+  if not exists(path):
     return None
   try:
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(read_text(path))
   except (ValueError, UnicodeDecodeError):
     logging.warning("%s is damaged (not valid JSON); it is recomputed.", path)
     return None
@@ -83,22 +178,21 @@ def read_json(path: str):
 def read_jsonl(path: str) -> list[dict]:
   """The rows of ``path`` (none when missing); damaged lines (e.g. a line cut by a kill) are dropped with one
   warning."""
-  if not os.path.exists(path):
+  if not exists(path):
     return []
   rows, bad = [], 0
-  with open(path, errors="replace") as f:
-    for line in f:
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except ValueError:
-        bad += 1
-        continue
-      if isinstance(row, dict):
-        rows.append(row)
-      else:
-        bad += 1
+  for line in read_bytes(path).decode("utf-8", errors="replace").splitlines():
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError:
+      bad += 1
+      continue
+    if isinstance(row, dict):
+      rows.append(row)
+    else:
+      bad += 1
   if bad:
     logging.warning("%s: %d damaged line(s) dropped.", path, bad)
   return rows

@@ -17,6 +17,7 @@ from absl import logging
 
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families
+from margrpo_jax.parallel import sharding
 from margrpo_jax.rewards import shapes_verifier
 from margrpo_jax.sampling import sampler as sampler_lib
 
@@ -28,26 +29,41 @@ def sampler_config(cfg) -> sampler_lib.SamplerConfig:
 
 
 def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: int, batch_size: int,
-             progress: bool = False) -> np.ndarray:
-  """Images (N, H, W, 3) uint8 for ``prompts`` (H, W: whatever the family decodes to)."""
+             progress: bool = False, mesh=None, rules=()) -> np.ndarray:
+  """Images (N, H, W, 3) uint8 for ``prompts`` (H, W: whatever the family decodes to), on every process.
+
+  With a ``mesh`` (params placed on it by ``rules``) each batch is split over the batch axes, every process
+  feeding its rows (``batch_size`` must divide by data x fsdp); without one, or for a family with its own
+  sampler, the batch runs on this process's devices, params sharded across processes gathered first."""
   family = families.get(model_cfg.family)
-  if family.own_sampler():  # a family with its own generation loop (NOVA: flow head, its schedule)
+  own = family.own_sampler()  # a family with its own generation loop (NOVA: flow head, its schedule)
+  if mesh is None or own:
+    params = jax.tree.map(lambda x: sharding.to_host(x) if not _addressable(x) else x, params)
+  ids = np.asarray(family.prompt_ids(model_cfg, list(prompts)))
+  if own:
     fn = family.make_sample_fn(graphdef, model_cfg, sampling)
   else:
     diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, sampling.diffusion_steps)
-    fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_config(sampling))
-  ids = np.asarray(family.prompt_ids(model_cfg, list(prompts)))
+    fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_config(sampling), mesh=mesh, rules=rules, params=params,
+                                    ids_ndim=ids.ndim)
   n = len(prompts)
   nb = -(-n // batch_size)
   ids = np.concatenate([ids, np.zeros((nb * batch_size - n,) + ids.shape[1:], ids.dtype)])
   base, out, t0 = jax.random.key(seed), [], time.time()
   for i in range(nb):
-    tokens, _ = fn(params, jnp.asarray(ids[i * batch_size:(i + 1) * batch_size]), jax.random.fold_in(base, i))
-    out.append(np.asarray(family.decode_images(model_cfg, np.asarray(tokens))))
+    batch = ids[i * batch_size:(i + 1) * batch_size]
+    if mesh is not None and not own:  # each process: its rows of the batch
+      batch = sharding.to_global(batch[sharding.host_rows(batch_size)], sharding.batch_sharding(mesh, batch.ndim))
+    tokens, _ = fn(params, jnp.asarray(batch), jax.random.fold_in(base, i))
+    out.append(np.asarray(family.decode_images(model_cfg, sharding.to_host(tokens))))
     if progress:
       logging.info("generated %d / %d images (%.1f images/s)", min((i + 1) * batch_size, n), n,
                    min((i + 1) * batch_size, n) / (time.time() - t0))
   return np.concatenate(out)[:n]
+
+
+def _addressable(x) -> bool:
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
 def score(images: np.ndarray, metadatas: list[dict | None]) -> dict:

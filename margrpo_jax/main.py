@@ -55,9 +55,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   if _WORKDIR.value is None:
     _fail("--workdir is required (the directory for checkpoints, logs and outputs).")
-  if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", _WORKDIR.value):
-    _fail(f"--workdir={_WORKDIR.value} is a URL: the jobs write through the local file system only, so give a "
-          "local or mounted folder (a bucket mounted with gcsfuse, say) instead.")
+  from margrpo_jax import fileio
+  try:
+    fileio.check_scheme(_WORKDIR.value, "--workdir")
+  except fileio.UnsupportedPath as e:
+    _fail(_sentence(e))
   try:
     config = _CONFIG.value
     _ = config.mode  # the flag defers load errors to the first attribute access
@@ -76,8 +78,8 @@ def main(argv):
     except mesh.CoordinatorError as e:
       _fail(_sentence(e))
   try:
-    _dispatch(config, os.path.abspath(os.path.expanduser(_WORKDIR.value)), _ALLOW_CHANGES.value)
-  except (UserError, config_files.ConfigError, checkpoint.CheckpointError, prompt_files.PromptFileError,
+    _dispatch(config, fileio.resolve(_WORKDIR.value), _ALLOW_CHANGES.value)
+  except (UserError, config_files.ConfigError, fileio.UnsupportedPath, checkpoint.CheckpointError, prompt_files.PromptFileError,
           families.UnknownFamily, FileNotFoundError) as e:
     _fail(_sentence(e))
   except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same

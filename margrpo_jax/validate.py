@@ -34,7 +34,8 @@ INF = math.inf
 # key -> smallest allowed integer (checked where the config has the key)
 AT_LEAST = {
     "seed": 0, "num_iters": 1, "num_steps": 1, "batch_size": 1, "log_every": 1, "log_images_every": 1,
-    "eval.batch_size": 1, "eval.num_prompts": 1, "eval.seed": 0, "eval.every": 0, "eval.num_images": 1,
+    "eval.batch_size": 1, "eval.num_prompts": 1, "eval.final_num_prompts": 0, "eval.seed": 0, "eval.every": 0,
+    "eval.num_images": 1,
     "save.every": 1, "save.keep": 1, "checkpoint.every": 1, "checkpoint.keep": 1, "grid_size": 0,
     "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1,
     "sampling.num_steps": 1, "optim.warmup_steps": 0, "mar.diffusion_batch_mul": 1,
@@ -124,7 +125,21 @@ def check_values(config) -> None:
 
 
 def check_workdir(workdir: str) -> None:
-  """The workdir is (or can become) a writable folder."""
+  """The workdir is (or can become) a writable folder; a URL's bucket answers."""
+  if fileio.is_url(workdir):
+    fileio.check_scheme(workdir, "--workdir")
+    root = "/".join(workdir.split("/")[:3])  # scheme://bucket
+    try:
+      if workdir.startswith("gs://") and not fileio.exists(root):
+        raise ConfigError(f"--workdir={workdir}: the bucket {root} does not exist or cannot be seen")
+      if fileio.exists(workdir) and not fileio.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir} is a file, not a folder")
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001 - tf.io.gfile raises its own error types (no network, no bucket)
+      detail = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)
+      raise ConfigError(f"--workdir={workdir} cannot be reached ({detail[:200]}); nothing was written") from None
+    return
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"--workdir={workdir} is a file, not a folder")
   parent = workdir
@@ -155,6 +170,9 @@ def check_mesh(config) -> None:
   elif config.mode == "pretrain" and config.batch_size % split:
     raise ConfigError(f"batch_size={config.batch_size} cannot be split over the batch axes data x fsdp = {split} "
                       f"of parallel.mesh={shape}")
+  if config.mode in ("rl", "pretrain") and config.eval.batch_size % split:  # the eval samples on the run's mesh
+    raise ConfigError(f"eval.batch_size={config.eval.batch_size} cannot be split over the batch axes data x fsdp = "
+                      f"{split} of parallel.mesh={shape}")
 
 
 def _check_export(path: str, what: str, mode: str):
@@ -295,7 +313,7 @@ def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
   of :data:`SAFE_TO_CHANGE` may differ and ``config.json`` then records the new values."""
   path = os.path.join(workdir, "config.json")
   now = _config_dict(config)
-  before = fileio.read_json(path) if os.path.isdir(os.path.join(workdir, "checkpoints")) else None
+  before = fileio.read_json(path) if fileio.isdir(os.path.join(workdir, "checkpoints")) else None
   if isinstance(before, dict):
     a, b = flatten(before), flatten(now)
     diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
@@ -311,5 +329,4 @@ def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
     if not diff:
       return
     logging.warning("resuming %s with changed %s", workdir, ", ".join(diff))
-  if jax.process_index() == 0:
-    fileio.write_text(path, config.to_json(indent=2, sort_keys=True))
+  fileio.write_text(path, config.to_json(indent=2, sort_keys=True))

@@ -65,7 +65,10 @@ CASES = [
     ("ckpt_garbage_json", "main", [RL, "--config.checkpoint={T}/garbage"], "model.json is not a model config"),
     ("ckpt_unknown_family", "main", [RL, "--config.checkpoint={T}/alien"], "names model family 'alien'"),
     ("workdir_is_file", "main", [RL, "--workdir={T}/a_file"], "is a file, not a folder"),
-    ("workdir_url", "main", [RL, "--workdir=gs://bucket/run"], "--workdir=gs://bucket/run is a URL"),
+    # offline, the bucket's host does not resolve ("cannot be reached"); online, the bucket does not exist
+    ("workdir_bucket", "main", [RL, "--workdir=gs://margrpo-no-such-bucket-0/run"],
+     "--workdir=gs://margrpo-no-such-bucket-0/run"),
+    ("workdir_scheme", "main", [RL, "--workdir=ftp://host/run"], "ftp:// scheme is not supported"),
     ("coordinator_silent", "main", [RL, "--config.parallel.distributed=True", "--config.parallel.init_timeout_s=2"],
      "did not answer within 2 s"),
     ("workdir_under_file", "main", [RL, "--workdir={T}/a_file/run"], "cannot be created"),
@@ -174,7 +177,9 @@ def test_bad_input_is_one_sentence_and_exit_2(results, cid, needle):
 
 
 def test_a_url_workdir_creates_no_local_folder_named_after_it(results):
-  assert results["workdir_url"][0] == 2 and not (REPO / "gs:").exists()
+  for case in ("workdir_bucket", "workdir_scheme"):
+    assert results[case][0] == 2
+  assert not (REPO / "gs:").exists() and not (REPO / "ftp:").exists()
 
 
 def test_a_refused_resume_leaves_the_run_as_it_was(results):

@@ -45,6 +45,7 @@ from etils import epath  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 from margrpo_jax.data import prompt_files, shapes  # noqa: E402
+from margrpo_jax.parallel import hosts  # noqa: E402
 
 __all__ = [
   "ShapesWorld",
@@ -288,16 +289,16 @@ def prepare(name: str, data_dir, manual_dir=None, overwrite: bool = False):
       ``<data_dir>/downloads/manual``.
     overwrite: rebuild even if prepared already.
   """
-  builder = _builder(name, data_dir)
-  mode = (
-    tfds.download.GenerateMode.FORCE_REDOWNLOAD if overwrite else tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS
-  )
-  config = tfds.download.DownloadConfig(
-    manual_dir=os.fspath(manual_dir) if manual_dir is not None else None, download_mode=mode
-  )
-  with _quiet():
-    builder.download_and_prepare(download_config=config)
-  return builder
+  def make():
+    builder = _builder(name, data_dir)  # made after the barrier on the other processes: it sees the data
+    gen = tfds.download.GenerateMode
+    mode = gen.FORCE_REDOWNLOAD if overwrite and hosts.is_main() else gen.REUSE_DATASET_IF_EXISTS
+    config = tfds.download.DownloadConfig(manual_dir=os.fspath(manual_dir) if manual_dir is not None else None,
+                                          download_mode=mode)
+    with _quiet():
+      builder.download_and_prepare(download_config=config)
+    return builder
+  return hosts.main_first(make, f"tfds:{name}")  # several processes: process 0 writes the data, the others read it
 
 
 def load_split(name: str, split: str, data_dir, manual_dir=None, overwrite: bool = False) -> list[dict]:

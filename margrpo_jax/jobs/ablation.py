@@ -59,11 +59,10 @@ def parse(config, workdir: str = "") -> list[tuple[str, int, object, str]]:
 def run(config, workdir: str) -> dict:
   results = {}
   for variant, seed, c, wd in parse(config, workdir):
-    if not os.path.exists(os.path.join(wd, "report.json")):
+    if not fileio.exists(os.path.join(wd, "report.json")):
       logging.info("ablation: %s seed %d -> %s", variant, seed, wd)
       rl_job.run(c, wd)
-    with open(os.path.join(wd, "report.json")) as f:
-      rep = json.load(f)
+    rep = json.loads(fileio.read_text(os.path.join(wd, "report.json")))
     results.setdefault(variant, []).append(dict(seed=seed, history=fileio.read_jsonl(os.path.join(wd, "metrics.jsonl")),
                                                 report=rep, prompts=(c.rl.prompts_per_iter, c.rl.group_size)))
   fileio.write_json(os.path.join(workdir, "ablation.json"), results, indent=None)
@@ -136,5 +135,5 @@ def _plot(workdir, results, smooth: int = 5):
       ax.set(xlabel="iteration", title=label + (f" ({smooth}-iter. mean)" if smooth > 1 else ""))
   axes[0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(workdir, "ablation.png"), dpi=120)
+  fileio.save_figure(os.path.join(workdir, "ablation.png"), fig)
   plt.close(fig)

@@ -75,7 +75,7 @@ def checkpoints(config) -> dict[str, str]:
   """``{label: path}`` from ``config.checkpoints`` (comma-separated; '' or 'base' = the shipped base)."""
   out = {}
   for i, p in enumerate([p.strip() for p in (config.checkpoints or "base").split(",")]):
-    path = checkpoint.resolve("shapes_base") if p in ("", "base") else os.path.abspath(os.path.expanduser(p))
+    path = checkpoint.resolve("shapes_base") if p in ("", "base") else fileio.resolve(p)
     label = "base" if p in ("", "base") else os.path.basename(os.path.normpath(path))
     out[label if label not in out else f"{label}_{i}"] = path
   return out
@@ -157,7 +157,7 @@ def _footer(vals: dict) -> str:
 
 
 def run(config, workdir: str) -> dict:
-  os.makedirs(workdir, exist_ok=True)
+  fileio.makedirs(workdir)
   recs, source = load_records(config, workdir)
   if not recs:
     raise EvalError(f"no prompts to evaluate in {source}.")

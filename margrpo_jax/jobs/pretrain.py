@@ -26,7 +26,7 @@ from margrpo_jax import checkpoint, fileio, generate, optim, validate
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective, text, tiny
-from margrpo_jax.parallel import mesh as mesh_lib, sharding
+from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
 
 
 def init_state(config, seed: int | None = None):
@@ -71,21 +71,24 @@ def train_step(graphdef, tx, diff, config, state: dict, batch: dict):
   return new, dict(loss=loss, grad_norm=optim.global_norm(grads), param_norm=optim.global_norm(params))
 
 
-def make_batch(records: list[dict], step: int, batch_size: int, seed: int, model_cfg) -> dict:
+def make_batch(records: list[dict], step: int, batch_size: int, seed: int, model_cfg, rows=slice(None)) -> dict:
   """The step's batch, a pure function of ``(seed, step)``: prompts from the train split, fresh layouts, rendered
-  and turned into tokens (the tokenizer's latents, or raw patches)."""
+  and turned into tokens (the tokenizer's latents, or raw patches). ``rows``: the rows to return (a process's
+  share): the whole batch is drawn and rendered (one generator, in order; cheap), only ``rows`` are encoded."""
   r = np.random.default_rng([seed, step])
   mds = [records[i] for i in r.integers(len(records), size=batch_size)]
-  images = shapes.render_batch(mds, r)
-  return dict(ids=text.tokenize([m["prompt"] for m in mds], model_cfg.text.max_len),
+  images = shapes.render_batch(mds, r)[rows]
+  return dict(ids=text.tokenize([m["prompt"] for m in mds[rows]], model_cfg.text.max_len),
               tokens=tiny.TinyMAR.encode_images(model_cfg, images))
 
 
-def evaluate(graphdef, params, config, records: list[dict], num: int) -> tuple[dict, np.ndarray]:
-  """Sample and verify ``num`` eval records (all of them, or tasks in turn over distinct prompts)."""
+def evaluate(graphdef, params, config, records: list[dict], num: int, mesh=None) -> tuple[dict, np.ndarray]:
+  """Sample (on ``mesh`` when given) and verify ``num`` eval records (all of them, or tasks in turn over distinct
+  prompts)."""
   recs = records if num >= len(records) else shapes.stratified_subset(records, num)
   images = generate.generate(graphdef, params, config.model, [r["prompt"] for r in recs], config.sampling,
-                             seed=config.eval.seed, batch_size=config.eval.batch_size)
+                             seed=config.eval.seed, batch_size=config.eval.batch_size, mesh=mesh,
+                             rules=config.parallel.rules if mesh is not None else ())
   return generate.score(images, recs), images
 
 
@@ -93,7 +96,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   """Train (or resume) in ``workdir``; returns the final state. ``max_steps_this_run`` simulates a kill."""
   tiny.check_tokenizer(config.model, "config.model")  # a tokenizer that does not fit the model: one sentence
   validate.begin_run(config, workdir)  # a rerun must be the same run
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  writer = metric_writers.create_default_writer(workdir, just_logging=not hosts.is_main())
   data_dir = config.data.tfds_dir or os.path.join(workdir, "tfds")
   train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
   eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
@@ -111,8 +114,9 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   batch_sh = dict(ids=sharding.batch_sharding(mesh, 2), tokens=sharding.batch_sharding(mesh, 3))
 
   def batch_fn(step):  # this host's rows of the step's batch, placed as a global array
-    full = make_batch(train_recs, step, config.batch_size, config.seed, config.model)
-    return sharding.to_global({k: v[sharding.host_rows(config.batch_size)] for k, v in full.items()}, batch_sh)
+    rows = make_batch(train_recs, step, config.batch_size, config.seed, config.model,
+                      sharding.host_rows(config.batch_size))
+    return sharding.to_global(rows, batch_sh)
   progress = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
   t0, t_last, m_last = time.time(), time.time(), {}
   with concurrent.futures.ThreadPoolExecutor(1) as pool, metric_writers.ensure_flushes(writer):
@@ -138,8 +142,9 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
       if done % config.checkpoint.every == 0 or done == end:
         checkpoint.save_state(mngr, done, train_state, f"the pretraining state at step {done}")
       if config.eval.every and (done % config.eval.every == 0 or done == config.num_steps):
-        num = len(eval_recs) if done == config.num_steps else config.eval.num_prompts
-        res, images = evaluate(graphdef, train_state["ema"], config, eval_recs, num)
+        num = ((config.eval.get("final_num_prompts") or len(eval_recs)) if done == config.num_steps
+               else config.eval.num_prompts)
+        res, images = evaluate(graphdef, train_state["ema"], config, eval_recs, num, mesh)
         writer.write_scalars(done, {"eval/strict_pass": res["strict_pass"], "eval/partial": res["partial"],
                                     **{f"eval/strict_{k}": v for k, v in res["per_task"].items()}})
         writer.write_images(done, {"eval/samples": generate.image_grid(images[:64], scale=2)[None]})
@@ -159,14 +164,13 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
 def _append_history(workdir: str, row: dict) -> None:
   """One eval row per line in ``W/eval_history.jsonl`` (a resumed run drops the rows past its restart)."""
   path = os.path.join(workdir, "eval_history.jsonl")
-  if jax.process_index() == 0:
-    fileio.write_jsonl(path, [r for r in fileio.read_jsonl(path) if r.get("step", 0) < row["step"]] + [row])
+  fileio.write_jsonl(path, [r for r in fileio.read_jsonl(path) if r.get("step", 0) < row["step"]] + [row])
 
 
 def _plot_history(workdir: str) -> None:
   """``W/eval_curves.png``: strict pass per task and overall vs step, from ``W/eval_history.jsonl``."""
   path = os.path.join(workdir, "eval_history.jsonl")
-  if not os.path.exists(path):
+  if not fileio.exists(path):
     return
   import matplotlib
   matplotlib.use("Agg")

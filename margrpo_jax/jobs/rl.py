@@ -35,7 +35,7 @@ from clu import metric_writers, periodic_actions
 from margrpo_jax import checkpoint, config_files, fileio, generate, optim, rng, validate
 from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, random_instance
-from margrpo_jax.parallel import mesh as mesh_lib, sharding
+from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import advantages, config as rl_config, prompts as rl_prompts, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
@@ -54,12 +54,13 @@ def eval_rewards(config, shapes_task: bool) -> list[str]:
   return names + [n for n in extra if n not in names]
 
 
-def _evaluate(graphdef, params, model_cfg, config, recs):
+def _evaluate(graphdef, params, model_cfg, config, recs, mesh=None):
   """Eval summary and the images, sampled with the eval settings and ``config.eval.seed``: ``rewards`` (the eval
   job's table: mean, std and count per reward, overall and per category), ``per_image`` values, and, on
-  shapes-world prompts, strict pass, partial and the per-task table."""
+  shapes-world prompts, strict pass, partial and the per-task table. ``mesh``: sample on it (the run's mesh)."""
   images = generate.generate(graphdef, params, model_cfg, [r["prompt"] for r in recs], config.sampling,
-                             seed=config.eval.seed, batch_size=config.eval.batch_size)
+                             seed=config.eval.seed, batch_size=config.eval.batch_size, mesh=mesh,
+                             rules=config.parallel.rules if mesh is not None else ())
   shapes_task = verifiable(model_cfg, recs)
   values = eval_job.score(images, recs, eval_rewards(config, shapes_task), config.get("rewards"))
   summary = eval_job.summarize(values, recs)
@@ -209,7 +210,7 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
     logging.info("rl.fidelity='official' sets %s", change)
   rl_config.step_config(config)  # a bad option is one sentence before the workdir is touched
   validate.begin_run(config, workdir)  # a rerun must be the same run
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  writer = metric_writers.create_default_writer(workdir, just_logging=not hosts.is_main())
   s = setup(config, workdir=workdir)
   model_cfg, graphdef = s.model_cfg, s.graphdef
   train_recs, eval_recs = rl_prompts.load(config, model_cfg, config.tfds_dir or os.path.join(workdir, "tfds"))
@@ -263,15 +264,14 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
                  (time.time() - t0) / 60, eta)
     if (it + 1) % config.save.every == 0 or it + 1 == end:
       checkpoint.save_state(mngr, it + 1, state, f"the RL state after iteration {it + 1}")
-      if jax.process_index() == 0:
-        fileio.write_jsonl(hist_path, history)
+      fileio.write_jsonl(hist_path, history)
   checkpoint.wait(mngr)
   if end < config.num_iters:
     return state
   final_params = s.trained_params(state)
   export = checkpoint.save_model(os.path.join(workdir, "export"), final_params, model_cfg)
   logging.info("evaluating the fine-tuned policy on the same %d prompts and seeds ...", len(eval_recs))
-  final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs)
+  final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs, s.mesh)
   report = dict(base=base_eval, final=final_eval, checkpoint=export, iterations=config.num_iters,
                 eval_prompts=len(eval_recs), prompts=rl_prompts.source(config, model_cfg), family=model_cfg.family,
                 reward_means={k: dict(base=base_eval["rewards"][k]["all"]["mean"],
@@ -296,16 +296,15 @@ def _base(config, workdir: str, s: Setup, eval_recs: list[dict]):
   computed (and written atomically) when missing or damaged."""
   base_eval = fileio.read_json(os.path.join(workdir, "base_eval.json"))
   try:
-    base_images = np.load(os.path.join(workdir, "base_images.npy"))
+    base_images = fileio.load_npy(os.path.join(workdir, "base_images.npy"))
   except (OSError, ValueError, EOFError):
     base_images = None
   if (base_eval is None or "rewards" not in base_eval or base_images is None
       or len(base_images) != len(eval_recs)):
     logging.info("evaluating the base policy on %d eval prompts (compiling the sampler first) ...", len(eval_recs))
-    base_eval, base_images = _evaluate(s.graphdef, s.params, s.model_cfg, config, eval_recs)
-    if jax.process_index() == 0:
-      fileio.save_npy(os.path.join(workdir, "base_images.npy"), base_images)
-      fileio.write_json(os.path.join(workdir, "base_eval.json"), base_eval, indent=None)
+    base_eval, base_images = _evaluate(s.graphdef, s.params, s.model_cfg, config, eval_recs, s.mesh)
+    fileio.save_npy(os.path.join(workdir, "base_images.npy"), base_images)
+    fileio.write_json(os.path.join(workdir, "base_eval.json"), base_eval, indent=None)
   return base_eval, base_images
 
 

@@ -82,7 +82,7 @@ def run(config, workdir: str) -> dict:
     fileio.save_image(os.path.join(workdir, "samples", f"{i}.png"), Image.fromarray(im))
   per = [dict(index=i, prompt=r["prompt"], tag=r["tag"], **(s or dict(strict=None, partial=None, noise=None)))
          for i, (r, s) in enumerate(zip(recs, res["per_image"]))]
-  scores = dict(checkpoint=os.path.abspath(ckpt), seed=config.seed, num_images=len(recs),
+  scores = dict(checkpoint=fileio.resolve(ckpt), seed=config.seed, num_images=len(recs),
                 num_scored=res["num_scored"], strict_pass=res["strict_pass"], partial=res["partial"],
                 noise=res["noise"], per_task=res.get("per_task", {}), per_image=per)
   fileio.write_json(os.path.join(workdir, "scores.json"), scores)

@@ -30,6 +30,7 @@ from flax import nnx
 from margrpo_jax import checkpoint, fileio, generate, optim, rng, validate
 from margrpo_jax.data import shapes
 from margrpo_jax.models import families, vae
+from margrpo_jax.parallel import hosts
 from margrpo_jax.rewards import shapes_verifier
 
 TRAINABLE = ("encoder", "decoder", "quant_conv", "post_quant_conv")
@@ -102,7 +103,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   """Train (or resume) in ``workdir``; export the autoencoder with its latent scale to ``W/export``.
   ``max_steps_this_run`` simulates a kill."""
   validate.begin_run(config, workdir)  # a rerun must be the same run
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  writer = metric_writers.create_default_writer(workdir, just_logging=not hosts.is_main())
   graphdef, st = nnx.split(families.build(config.model, config.seed))
   params = nnx.to_pure_dict(st)
   tx = optim.make(config.optim, TRAINABLE, config.num_steps)

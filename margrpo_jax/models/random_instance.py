@@ -21,6 +21,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from margrpo_jax import fileio
+
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen's chat tokens (Phi-2 ignores them)
 FAMILIES = ("mar", "harmon", "nova")
 
@@ -96,12 +98,11 @@ def materialize(model_cfg: ml_collections.ConfigDict, folder: str, seed: int = 0
   if family not in FAMILIES:
     raise ValueError(f"no tiny instance of the {family!r} family (one of {', '.join(FAMILIES)})")
   folder = os.path.abspath(folder)
-  os.makedirs(folder, exist_ok=True)
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
   cfg.vae_checkpoint = _save(os.path.join(folder, "vae"), vae_config(family), seed + 1)
   if family in ("harmon", "nova"):
     cfg.tokenizer_path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(cfg.tokenizer_path):
-      byte_tokenizer().save(cfg.tokenizer_path)
+    if not os.path.isfile(cfg.tokenizer_path):  # process 0 writes it before the collective saves below
+      fileio.write_text(cfg.tokenizer_path, byte_tokenizer().to_str())
   return _save(os.path.join(folder, "model"), cfg, seed)
 

@@ -2,12 +2,14 @@
 
 python benchmarks/rl_mfu.py [--size=large] [--prompts=8] [--group_size=4] [--ar_steps=64] [--scored_ar_steps=12]
     [--diffusion_steps=100] [--scored_diffusion_steps=10] [--mte_seeds=5] [--repeats=3] [--peak_tflops=X]
+    [--dtype=float32|bfloat16]
 
 Random weights in MAR's exact shapes (class-conditional, 256 tokens x 16 channels), on the mesh of
 ``configs/mar.py`` (FSDP over every local device). Times one recorded rollout (images/s) and one RL update
 (build + loss-and-update, the jitted ``rl_step``); FLOPs per call come from XLA's cost analysis of the compiled
 programs, and MFU = FLOPs / time / peak. The peak is looked up from the device kind (dense bf16 tensor-core
-figures; the model computes in float32 here, so MFU is a lower bound) or given with --peak_tflops. The last
+figures: with --dtype=float32, MFU is a lower bound; --dtype=bfloat16 is ``rl.compute_dtype``, every layer
+but the diffusion head in bf16) or given with --peak_tflops. The last
 line is one JSON object.
 """
 import argparse
@@ -51,11 +53,12 @@ def main():
   ap.add_argument("--mte_seeds", type=int, default=5)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--peak_tflops", type=float, default=0.0, help="per device; default: from the device kind")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="rl.compute_dtype")
   a = ap.parse_args()
   c = config_files.load("mar", a.size)
   c.sampling.update(num_steps=a.ar_steps, diffusion_steps=str(a.diffusion_steps))
   c.rl.update(group_size=a.group_size, prompts_per_iter=a.prompts, num_ar_steps=a.scored_ar_steps,
-              num_diffusion_steps=a.scored_diffusion_steps, mte_seeds=a.mte_seeds)
+              num_diffusion_steps=a.scored_diffusion_steps, mte_seeds=a.mte_seeds, compute_dtype=a.dtype)
   graphdef, state = nnx.split(families.build(c.model, seed=0))
   s = rl_job.setup(c, (c.model, graphdef, nnx.to_pure_dict(state)))
   del state
@@ -87,7 +90,7 @@ def main():
   n = len(jax.devices())
   peak = peak_for(jax.devices()[0].device_kind, a.peak_tflops)
   f_roll, f_step = flops(roll), flops(step)  # per device (SPMD program)
-  out = dict(device=jax.devices()[0].device_kind, devices=n, size=a.size, batch=batch,
+  out = dict(device=jax.devices()[0].device_kind, devices=n, size=a.size, batch=batch, dtype=a.dtype,
              backbone_params=int(sum(x.size for x in jax.tree.leaves(s.policy))),
              compile_s=dict(rollout=round(compile_rollout, 1), rl_step=round(compile_step, 1)),
              rollout_s=round(t_rollout, 3), rollout_images_per_s=round(batch / t_rollout, 2),

@@ -98,6 +98,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_inner=1,                # passes over each rollout's batch (PPO epochs; the ratio is 1 only in the first)
       num_minibatches=1,          # optimizer steps per pass, each on consecutive blocks of the iteration's images
       remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
+      compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
+                                  # and eval); params, grads, optimizer state and log-probs stay float32
+                                  # (models/precision.py)
       debug_nan_iter=-1,          # test hook: inject a NaN reward at this iteration
   )
   c.rewards = registry.settings_config()  # learned rewards: checkpoint, vocab and options per name

@@ -62,7 +62,7 @@ IN_RANGE = {
 OPTIONS = {
     "optim.decay": ("constant", "cosine"), "sampling.cfg_schedule": ("linear", "constant"),
     "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": ("cosine", "uniform"),
-    "rl.mar_objective.mask_ratio": ("cosine", "uniform"),
+    "rl.mar_objective.mask_ratio": ("cosine", "uniform"), "rl.compute_dtype": ("float32", "bfloat16"),
 }
 # keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
 SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
@@ -118,6 +118,10 @@ def check_values(config) -> None:
     except (ValueError, KeyError, IndexError, ZeroDivisionError):
       raise ConfigError(f"sampling.diffusion_steps={steps!r} is not a respacing of 1000 steps (e.g. '25', "
                         "'ddim50')") from None
+  present, dtypes = _has(config, "plan.dtypes")
+  bad = [d for d in str(dtypes or "").split(",") if d.strip() not in ("float32", "bfloat16")] if present else []
+  if dtypes and bad:
+    raise ConfigError(f"plan.dtypes={dtypes!r} names {bad[0].strip()!r}, not float32 or bfloat16")
   if "rl" in config:
     for name, w in config.rl.get("rewards", {}).items():
       if isinstance(w, (int, float)) and not math.isfinite(w):

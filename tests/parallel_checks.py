@@ -122,13 +122,13 @@ def plan_checks(out):
   c.model = smoke_config().model
   c.rl.update(group_size=2, prompts_per_iter=4)
   c.parallel.mesh.update(data=2, fsdp=4, tensor=1)
-  c.plan = dict(compile=True)
+  c.plan = dict(compile=True, dtypes="float32,bfloat16")
   out["plan/shapes"] = plan.plan(c)
   for family in ("harmon", "nova"):  # the tiny instances: the real families' parameter trees and code paths
     c = config_files.load(family, "tiny")
     c.rl.update(prompts_per_iter=4)
     c.parallel.mesh.update(data=2, fsdp=4, tensor=1)
-    c.plan = dict(compile=True)
+    c.plan = dict(compile=True, dtypes="float32")
     out[f"plan/{family}"] = plan.plan(c)
 
 

@@ -65,7 +65,7 @@ def test_plan_compiles_the_sharded_steps(checks, model):
   """The sharded rollout and RL step compile on a 2 x 4 mesh: the shapes model, and the tiny Harmon (Qwen2.5
   rules) and NOVA (Phi-2 and NOVA transformer rules, flow SDE rollouts)."""
   text = "\n".join(checks[f"plan/{model}"])
-  for name in ("rollout", "rl_step"):
+  for name in ("rollout", "rl_step") + (("rollout_bfloat16", "rl_step_bfloat16") if model == "shapes" else ()):
     assert f"memory/{name}/per_device_peak_gib = " in text
     assert f"memory/{name}/temp_size = " in text
   assert "mesh = {'data': 2, 'fsdp': 4, 'tensor': 1}" in text

@@ -5,7 +5,9 @@ r"""Plan a run before paying for it (``config.mode = 'plan'``): no parameter is 
 2. On the mesh of ``config.parallel`` (simulate a pod on CPU with
    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``), the sharded rollout and RL step are lowered
    and compiled from ``ShapeDtypeStruct`` inputs carrying their shardings, and XLA's per-device memory
-   analysis (arguments, outputs, temporaries, code) and cost analysis (FLOPs) are printed.
+   analysis (arguments, outputs, temporaries, code) and cost analysis (FLOPs) are printed, once per compute
+   dtype of ``plan.dtypes`` (default: ``rl.compute_dtype``; the real-size configs: ``'float32,bfloat16'``,
+   whose bfloat16 lines are named ``rollout_bfloat16`` / ``rl_step_bfloat16``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from margrpo_jax.models import families
+from margrpo_jax.models import families, precision
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
 from margrpo_jax.rl import config as rl_config, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
@@ -91,18 +93,19 @@ def plan(config, emit=lambda line: None) -> list[str]:
   ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))
   diff = step_lib.make_chain(static)  # Gaussian diffusion, or NOVA's flow SDE
-  rollout = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
-                                       params=params, ids_ndim=len(ids_shape))
-  lowered = rollout.lower(params, ids, key)
-  lines += _memory_lines("rollout", lowered.compile())
-  final, rec = jax.eval_shape(rollout, params, ids, key)
-  tx, step = step_lib.compiled_step(graphdef, static, mesh, rules,
-                                    (sharding.signature(policy), sharding.signature(frozen)))
-  sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
-  state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
-  args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
-  args = _abstract(args, sh)
-  lines += _memory_lines("rl_step", step.lower(*args).compile())
+  dtypes = [d.strip() for d in (config.plan.get("dtypes") or config.rl.get("compute_dtype", "float32")).split(",")]
+  for dtype in dtypes:  # the memory of each compute dtype (models/precision.py): 'rollout', 'rollout_bfloat16', ...
+    g = precision.with_compute(graphdef, params, dtype)
+    tag = "" if dtype == "float32" else f"_{dtype}"
+    rollout = sampler_lib.make_sample_fn(g, diff, static.sampler, record=True, mesh=mesh, rules=rules,
+                                         params=params, ids_ndim=len(ids_shape))
+    lines += _memory_lines(f"rollout{tag}", rollout.lower(params, ids, key).compile())
+    final, rec = jax.eval_shape(rollout, params, ids, key)
+    tx, step = step_lib.compiled_step(g, static, mesh, rules, (sharding.signature(policy), sharding.signature(frozen)))
+    sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
+    state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
+    args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
+    lines += _memory_lines(f"rl_step{tag}", step.lower(*_abstract(args, sh)).compile())
   return list(lines)
 
 

@@ -34,7 +34,7 @@ from clu import metric_writers, periodic_actions
 
 from margrpo_jax import checkpoint, config_files, fileio, generate, optim, rng, validate
 from margrpo_jax.jobs import eval as eval_job
-from margrpo_jax.models import families, random_instance
+from margrpo_jax.models import families, precision, random_instance
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import advantages, config as rl_config, prompts as rl_prompts, step as step_lib
@@ -129,6 +129,7 @@ def setup(config, params_override=None, workdir: str | None = None) -> Setup:
   parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
   static = rl_config.step_config(config)  # every RL option validated before anything is loaded
   model_cfg, graphdef, params = params_override or checkpoint.load_model(base_checkpoint(config, workdir))
+  graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"))
   if config.rl.logp == "mar" and config.rl.reencode and not families.get(model_cfg.family).can_encode():
     raise config_files.ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
                                    "implemented: set rl.reencode=False to score the sampled tokens")

@@ -33,10 +33,13 @@ def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: in
   """Images (N, H, W, 3) uint8 for ``prompts`` (H, W: whatever the family decodes to), on every process.
 
   With a ``mesh`` (params placed on it by ``rules``) each batch is split over the batch axes, every process
-  feeding its rows (``batch_size`` must divide by data x fsdp); without one, or for a family with its own
-  sampler, the batch runs on this process's devices, params sharded across processes gathered first."""
+  feeding its rows (``batch_size`` must divide by data x fsdp); without one (or with a mesh of one device), or
+  for a family with its own sampler, the batch runs on this process's devices, params sharded across processes
+  gathered first."""
   family = families.get(model_cfg.family)
   own = family.own_sampler()  # a family with its own generation loop (NOVA: flow head, its schedule)
+  if mesh is not None and mesh.devices.size == 1:
+    mesh = None  # one device: the unsharded program
   if mesh is None or own:
     params = jax.tree.map(lambda x: sharding.to_host(x) if not _addressable(x) else x, params)
   ids = np.asarray(family.prompt_ids(model_cfg, list(prompts)))

@@ -60,6 +60,8 @@ def main(argv):
     fileio.check_scheme(_WORKDIR.value, "--workdir")
   except fileio.UnsupportedPath as e:
     _fail(_sentence(e))
+  if _WORKDIR.value.startswith("ram://"):  # TensorFlow's in-memory file system (tests only): gone at exit
+    _fail(f"--workdir={_WORKDIR.value} is in memory and would be lost when the job exits: use gs:// or a folder.")
   try:
     config = _CONFIG.value
     _ = config.mode  # the flag defers load errors to the first attribute access
@@ -79,8 +81,8 @@ def main(argv):
       _fail(_sentence(e))
   try:
     _dispatch(config, fileio.resolve(_WORKDIR.value), _ALLOW_CHANGES.value)
-  except (UserError, config_files.ConfigError, fileio.UnsupportedPath, checkpoint.CheckpointError, prompt_files.PromptFileError,
-          families.UnknownFamily, FileNotFoundError) as e:
+  except (UserError, config_files.ConfigError, fileio.UnsupportedPath, checkpoint.CheckpointError,
+          prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError) as e:
     _fail(_sentence(e))
   except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same
     _fail(_sentence(e), code=1)

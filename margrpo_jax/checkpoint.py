@@ -219,10 +219,15 @@ def model_class(family: str):
     raise CheckpointError(str(e)) from None
 
 
-def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dtype=None) -> str:
-  """Write a params-only export (optionally cast, e.g. to bfloat16) and its ``model.json``. Every process calls
-  it: arrays sharded across processes are gathered (``sharding.to_host``), so the export holds plain arrays that
-  load on any number of devices."""
+SOURCE = "source.json"  # {"official": the official file / folder an export's weights were converted from}
+
+
+def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dtype=None,
+               source: str | None = None) -> str:
+  """Write a params-only export (optionally cast, e.g. to bfloat16) and its ``model.json``; ``source``: the
+  official checkpoint the weights come from (converted, or fine-tuned from such a conversion), recorded in
+  ``source.json`` for ``export_official``. Every process calls it: arrays sharded across processes are gathered
+  (``sharding.to_host``), so the export holds plain arrays that load on any number of devices."""
   directory = fileio.resolve(directory)
   if not all_finite(params):
     raise NonFiniteError(f"the parameters to export to {directory} hold NaN or Inf values; nothing was written.")
@@ -239,7 +244,15 @@ def save_model(directory: str, params, model_cfg: ml_collections.ConfigDict, dty
                          "checkpoints are intact: free some space and rerun the same command") from None
     raise
   fileio.write_text(os.path.join(directory, "model.json"), model_cfg.to_json(indent=2, sort_keys=True))
+  if source:
+    fileio.write_json(os.path.join(directory, SOURCE), {"official": source})
   return directory
+
+
+def official_source(directory: str) -> str | None:
+  """The official checkpoint the export at ``directory`` descends from (its ``source.json``), if recorded."""
+  meta = fileio.read_json(os.path.join(fileio.resolve(directory), SOURCE))
+  return meta.get("official") if isinstance(meta, dict) else None
 
 
 def read_model_config(directory: str, what: str = "checkpoint", family: str | None = None):

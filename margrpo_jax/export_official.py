@@ -1,10 +1,12 @@
 """Write a fine-tuned export back in the official release layout, loadable by the official PyTorch code.
 
-    python -m margrpo_jax.export_official --family=mar|harmon|nova --src=EXPORT_DIR --template=OFFICIAL --out=PATH
+    python -m margrpo_jax.export_official --family=mar|harmon|nova --src=EXPORT_DIR --out=PATH [--template=OFFICIAL]
 
-``--template`` is the official file (MAR ``checkpoint-last.pth``, Harmon ``.pth``) or folder (NOVA's pipeline
-``transformer/``) the base was converted from; ``--out`` gets its layout with the fine-tuned weights
-(``convert/official.py``: the converters' exact inverse). A mismatch ends in one sentence and exit code 2.
+``--out`` gets the layout of the official file (MAR ``checkpoint-last.pth``, Harmon ``.pth``) or folder (NOVA's
+pipeline ``transformer/``) the base was converted from, with the fine-tuned weights (``convert/official.py``: the
+converters' exact inverse). That official checkpoint is the one the export records (``source.json``: the
+converter writes it, the RL and export jobs carry it on); ``--template`` names it when it has moved or was never
+recorded. A mismatch ends in one sentence and exit code 2.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from absl import app, flags
 
 _FAMILY = flags.DEFINE_string("family", None, "mar, harmon or nova")
 _SRC = flags.DEFINE_string("src", None, "the fine-tuned export (model.json + params/), e.g. an RL run's W/export")
-_TEMPLATE = flags.DEFINE_string("template", None, "the official file / folder the base was converted from")
+_TEMPLATE = flags.DEFINE_string("template", None, "the official file / folder the base was converted from "
+                                 "(default: the one --src records in source.json)")
 _OUT = flags.DEFINE_string("out", None, "where to write: a .pth file (mar, harmon) or a transformer/ folder (nova)")
 
 
@@ -23,8 +26,7 @@ def main(argv):
   del argv
   from margrpo_jax import checkpoint
   from margrpo_jax.convert import core, official
-  missing = [n for n, f in (("family", _FAMILY), ("src", _SRC), ("template", _TEMPLATE), ("out", _OUT))
-             if not f.value]
+  missing = [n for n, f in (("family", _FAMILY), ("src", _SRC), ("out", _OUT)) if not f.value]
   if missing:
     print(f"error: --{missing[0]} is required.", file=sys.stderr)
     sys.exit(2)

@@ -1,11 +1,11 @@
-"""The one file-system layer of the jobs: local paths and URLs (``gs://``), written atomically, by process 0.
+"""The one file-system layer of the jobs: local paths and ``gs://`` URLs, written atomically, by process 0.
 
-Every file a job writes or reads in its workdir (config, metrics, reports, images, arrays, ``model.json``)
-goes through here. Local paths use the OS (a write goes to a temp file in the same folder, then
-``os.replace``); URLs use ``tf.io.gfile`` (an object store writes each object whole, so a killed write
-leaves the previous version). Orbax checkpoints and exports take the same path string as is (tensorstore writes
-``gs://`` natively) and TFDS its data dir. Schemes: :data:`SCHEMES` (``gs://``: everything; ``ram://``,
-TensorFlow's in-memory file system: the files here only, not Orbax's, which is what the tests use it for).
+Every file a job writes or reads in its workdir (config, metrics, reports, images, arrays, ``model.json``),
+prompt files and exports go through here. Local paths use the OS (a write goes to a temp file in the same
+folder, then ``os.replace``); URLs use ``etils.epath`` (on ``gs://`` that is ``tf.io.gfile``; an object store
+writes each object whole, so a killed write leaves the previous version). Orbax checkpoints and exports take the
+same path string as is (tensorstore writes ``gs://`` natively; Orbax's own folder bookkeeping is ``epath`` too)
+and TFDS its data dir. The tests run the jobs on a fake bucket (``tests/fake_gcs.py``) through these same calls.
 
 With several processes (multi-host) only process 0 writes (``parallel/hosts.py``): on the others every write
 here is skipped and returns the path, so a job calls these on every process alike. A job killed mid-write, or a
@@ -25,7 +25,7 @@ from absl import logging
 
 from margrpo_jax.parallel import hosts
 
-SCHEMES = ("gs://", "ram://")  # URL schemes the jobs accept (Orbax writes gs:// only: see the docstring)
+SCHEMES = ("gs://",)  # URL schemes the jobs accept (Orbax / tensorstore write gs:// and local paths only)
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -51,17 +51,17 @@ def resolve(path: str) -> str:
   return path if is_url(path) else os.path.abspath(os.path.expanduser(path))
 
 
-def _gfile():
-  import tensorflow as tf
-  return tf.io.gfile
+def _url(path: str):
+  from etils import epath
+  return epath.Path(path)
 
 
 def exists(path: str) -> bool:
-  return _gfile().exists(path) if is_url(path) else os.path.exists(path)
+  return _url(path).exists() if is_url(path) else os.path.exists(path)
 
 
 def isdir(path: str) -> bool:
-  return _gfile().isdir(path) if is_url(path) else os.path.isdir(path)
+  return _url(path).is_dir() if is_url(path) else os.path.isdir(path)
 
 
 def isfile(path: str) -> bool:
@@ -69,26 +69,25 @@ def isfile(path: str) -> bool:
 
 
 def listdir(path: str) -> list[str]:
-  return [n.rstrip("/") for n in _gfile().listdir(path)] if is_url(path) else os.listdir(path)
+  return [p.name for p in _url(path).iterdir()] if is_url(path) else os.listdir(path)
 
 
 def makedirs(path: str) -> str:
   """Make the folder ``path`` (and its parents) on process 0; returns ``path``."""
   if hosts.is_main():
-    _gfile().makedirs(path) if is_url(path) else os.makedirs(path, exist_ok=True)
+    _url(path).mkdir(parents=True, exist_ok=True) if is_url(path) else os.makedirs(path, exist_ok=True)
   return path
 
 
 def rename(src: str, dst: str) -> None:
   """Move ``src`` (a file or folder) to ``dst`` on process 0."""
   if hosts.is_main():
-    _gfile().rename(src, dst) if is_url(src) else os.replace(src, dst)
+    _url(src).rename(dst) if is_url(src) else os.replace(src, dst)
 
 
 def read_bytes(path: str) -> bytes:
   if is_url(path):
-    with _gfile().GFile(path, "rb") as f:
-      return f.read()
+    return _url(path).read_bytes()
   with open(path, "rb") as f:
     return f.read()
 
@@ -111,10 +110,7 @@ def write_bytes(path: str, data: bytes) -> str:
   if not hosts.is_main():
     return path
   if is_url(path):
-    gfile = _gfile()
-    gfile.makedirs(path.rsplit("/", 1)[0])
-    with gfile.GFile(path, "wb") as f:
-      f.write(data)
+    _url(path).write_bytes(data)  # one object, whole (GCS has no folders to make first)
     return path
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)

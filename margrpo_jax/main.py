@@ -60,8 +60,6 @@ def main(argv):
     fileio.check_scheme(_WORKDIR.value, "--workdir")
   except fileio.UnsupportedPath as e:
     _fail(_sentence(e))
-  if _WORKDIR.value.startswith("ram://"):  # TensorFlow's in-memory file system (tests only): gone at exit
-    _fail(f"--workdir={_WORKDIR.value} is in memory and would be lost when the job exits: use gs:// or a folder.")
   try:
     config = _CONFIG.value
     _ = config.mode  # the flag defers load errors to the first attribute access

@@ -140,7 +140,7 @@ def check_workdir(workdir: str) -> None:
         raise ConfigError(f"--workdir={workdir} is a file, not a folder")
     except ConfigError:
       raise
-    except Exception as e:  # noqa: BLE001 - tf.io.gfile raises its own error types (no network, no bucket)
+    except Exception as e:  # noqa: BLE001 - the bucket's client raises its own error types (no network)
       detail = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)
       raise ConfigError(f"--workdir={workdir} cannot be reached ({detail[:200]}); nothing was written") from None
     return
@@ -280,7 +280,7 @@ def check_ablation(config) -> None:
 
 def check_prompt_file(config) -> None:
   path = config.get("prompt_file")
-  if path and not os.path.isfile(os.path.expanduser(path)):
+  if path and not fileio.isfile(fileio.resolve(path)):
     raise ConfigError(f"prompt_file {path} does not exist or is not a file")
 
 

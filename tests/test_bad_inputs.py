@@ -69,7 +69,6 @@ CASES = [
     ("workdir_bucket", "main", [RL, "--workdir=gs://margrpo-no-such-bucket-0/run"],
      "--workdir=gs://margrpo-no-such-bucket-0/run"),
     ("workdir_scheme", "main", [RL, "--workdir=ftp://host/run"], "ftp:// scheme is not supported"),
-    ("workdir_in_memory", "main", [RL, "--workdir=ram://run"], "would be lost when the job exits"),
     ("coordinator_silent", "main", [RL, "--config.parallel.distributed=True", "--config.parallel.init_timeout_s=2"],
      "did not answer within 2 s"),
     ("workdir_under_file", "main", [RL, "--workdir={T}/a_file/run"], "cannot be created"),

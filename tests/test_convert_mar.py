@@ -120,7 +120,8 @@ def mar_b_converted(tmp_path_factory):
   torch.save({"model": raw, "model_ema": ema, "epoch": 399}, tmp / "checkpoint-last.pth")
   saved = {}
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(checkpoint, "save_model", lambda out, params, cfg, dtype=None: saved.update(params=params, cfg=cfg))
+    mp.setattr(checkpoint, "save_model", lambda out, params, cfg, dtype=None, source=None:
+               saved.update(params=params, cfg=cfg))
     report = convert_run("mar", str(tmp / "checkpoint-last.pth"), str(tmp / "export"))
   return saved["cfg"], saved["params"], keys, report
 

@@ -46,7 +46,8 @@ def test_mar_round_trip_is_bit_exact_and_keeps_the_checkpoint_layout(tmp_path, m
   torch.save({"model": weights, "model_ema": weights, "epoch": 399, "args": argparse.Namespace(model="mar_tiny"),
               "optimizer": {"state": {}, "param_groups": []}}, template)
   convert_run("mar", str(template), str(tmp_path / "export"))
-  report = official.export("mar", str(tmp_path / "export"), str(template), str(tmp_path / "out.pth"))
+  assert checkpoint.official_source(str(tmp_path / "export")) == str(template)  # recorded: no --template needed
+  report = official.export("mar", str(tmp_path / "export"), None, str(tmp_path / "out.pth"))
   out = _load(tmp_path / "out.pth")
   assert set(out) == {"model", "model_ema", "epoch", "args"} and out["epoch"] == 399 and report["changed"] == 0
   assert {k: v.dtype for k, v in out["model_ema"].items()} == {k: torch.float32 for k in sd}
@@ -69,6 +70,17 @@ def test_a_converter_that_computes_a_value_cannot_be_traced():
   with core.tracing():
     conv.copy("p", "w", lambda w: w.T)
   assert conv.result()["p"].dtype == np.int64
+
+
+def test_an_export_without_a_recorded_source_needs_a_template(tmp_path, small_model):
+  cfg, _, params = small_model
+  src = checkpoint.save_model(str(tmp_path / "export"), params, cfg, source=str(tmp_path / "moved.pth"))
+  with pytest.raises(core.ConversionError, match=r"moved.pth, the official checkpoint .*source.json names, is gone"):
+    official.template_of(src, None)
+  assert official.template_of(src, "elsewhere.pth") == "elsewhere.pth"
+  bare = checkpoint.save_model(str(tmp_path / "bare"), params, cfg)
+  with pytest.raises(core.ConversionError, match="records no official checkpoint it descends from .* --template="):
+    official.template_of(bare, None)
 
 
 def test_the_cli_refuses_a_foreign_export_in_one_sentence(tmp_path):

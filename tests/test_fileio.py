@@ -1,19 +1,23 @@
-"""The file-system layer (``fileio.py``): the same calls on local paths and URLs, only process 0 writes, and a
-job whose workdir is a URL writes there and nowhere else. ``ram://`` (TensorFlow's in-memory file system) stands
-in for a bucket offline; Orbax's checkpoints take ``gs://`` only, so the job run here is the sample job."""
+"""The file-system layer (``fileio.py``): the same calls on local paths and on a bucket (``tests/fake_gcs.py``),
+and only process 0 writes. The jobs on a bucket: ``test_rl_train.py``."""
 import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import fake_gcs
 from margrpo_jax import fileio
 from margrpo_jax.parallel import hosts
 
 
-@pytest.fixture(params=["local", "ram"])
-def root(request, tmp_path):
-  return str(tmp_path / "w") if request.param == "local" else f"ram://{request.node.name}/w"
+@pytest.fixture(params=["local", "gs"])
+def root(request, tmp_path, monkeypatch):
+  if request.param == "local":
+    yield str(tmp_path / "w")
+  else:
+    with fake_gcs.bucket(monkeypatch):
+      yield "gs://fake-bucket/w"
 
 
 def test_write_read_list_and_move_on_local_paths_and_urls(root, tmp_path):
@@ -29,8 +33,7 @@ def test_write_read_list_and_move_on_local_paths_and_urls(root, tmp_path):
   assert fileio.read_json(os.path.join(root, "missing.json")) is None
   fileio.rename(os.path.join(root, "p.png"), os.path.join(root, "q.png"))
   assert not fileio.exists(os.path.join(root, "p.png")) and fileio.exists(os.path.join(root, "q.png"))
-  assert not any(n.startswith(("ram:", "ram")) for n in os.listdir(tmp_path))  # nothing local named after the URL
-  assert not os.path.exists("ram:")
+  assert not os.path.exists("gs:") and not os.path.exists(tmp_path / "gs:")  # nothing local named after the URL
 
 
 def test_only_process_0_writes(root, monkeypatch):
@@ -47,18 +50,3 @@ def test_paths_resolve_and_unsupported_schemes_are_one_sentence():
   fileio.check_scheme("/local/run")
   with pytest.raises(fileio.UnsupportedPath, match="--workdir s3://b/run: the s3:// scheme is not supported"):
     fileio.check_scheme("s3://b/run", "--workdir")
-
-
-def test_the_sample_job_writes_into_a_url_workdir_and_nowhere_else(tmp_path, monkeypatch):
-  import tensorflow as tf
-  from margrpo_jax import config_files, main
-  monkeypatch.chdir(tmp_path)
-  c = config_files.load("shapes_sample", None)
-  c.update(max_prompts=8, batch_size=8, tfds_dir=str(tmp_path / "tfds"))
-  c.sampling.update(num_steps=4, diffusion_steps="5")
-  main._dispatch(c, "ram://sample_job/run")
-  assert sorted(tf.io.gfile.listdir("ram://sample_job/run")) == ["grid.png", "samples", "scores.json"]
-  assert len(tf.io.gfile.listdir("ram://sample_job/run/samples")) == 8
-  scores = fileio.read_json("ram://sample_job/run/scores.json")
-  assert scores["num_images"] == 8
-  assert sorted(os.listdir(tmp_path)) == ["tfds"]  # no ./ram: folder

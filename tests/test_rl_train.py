@@ -1,12 +1,15 @@
 """The RL job end to end on the small model: updates reach the AR backbone only (head bitwise unchanged), a NaN
 reward skips the step, and a killed run resumes to the same parameters as an uninterrupted one."""
+import copy
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fake_gcs
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import rl as rl_job
@@ -26,24 +29,31 @@ def _config(base, **rl):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, small_model):
   cfg, _, params = small_model
-  return checkpoint.save_model(str(tmp_path_factory.mktemp("base") / "export"), params, cfg), params
+  folder = tmp_path_factory.mktemp("base")  # as if converted from an official file (source.json)
+  return checkpoint.save_model(str(folder / "export"), params, cfg, source=str(folder / "official.pth")), params
 
 
 def _same(a, b):
   return all(jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)))
 
 
-def test_rl_updates_backbone_only_resumes_and_writes_the_report(tmp_path, base):
-  base_dir, params = base
-  config = _config(base_dir)
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, base):
+  """``(config, workdir, final state)`` of the RL smoke job run uninterrupted on a local folder."""
+  config = _config(base[0])
+  tmp_path = tmp_path_factory.mktemp("rl")
   config.tfds_dir = str(tmp_path / "tfds")
-  state = rl_job.run(config, str(tmp_path / "w"))
-  rl_job.run(config, str(tmp_path / "killed"), max_iters_this_run=1)  # "killed" after its first checkpoint
-  assert _same(rl_job.run(config, str(tmp_path / "killed")), state)  # the same command resumes, same result
+  return config, tmp_path, rl_job.run(config, str(tmp_path / "w"))
+
+
+def test_rl_updates_backbone_only_and_writes_the_report(local_run, base):
+  _, params = base
+  config, tmp_path, state = local_run
   assert int(state["step"]) == config.num_iters
   assert set(state["policy"]) == {"text_encoder", "backbone"}
   assert not _same(state["policy"]["backbone"], params["backbone"])
   _, _, final = checkpoint.load_model(str(tmp_path / "w" / "export"))
+  assert checkpoint.official_source(str(tmp_path / "w" / "export")) == checkpoint.official_source(base[0])
   assert _same(final["head"], params["head"])  # the frozen head is bitwise unchanged
   report = json.loads((tmp_path / "w" / "report.json").read_text())
   assert {"strict_pass", "partial"} <= set(report["base"]) and {"strict_pass", "partial"} <= set(report["final"])
@@ -53,6 +63,42 @@ def test_rl_updates_backbone_only_resumes_and_writes_the_report(tmp_path, base):
   history = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert len(history) == config.num_iters and all(h["grad_norm"] > 0 for h in history)
   assert abs(history[0]["logp_diff"]) < 1e-3  # first update: recomputed log-probs equal the rollout's
+
+
+def test_rl_killed_and_resumed_on_a_bucket_then_export_and_sample_jobs_there(local_run, tmp_path, monkeypatch):
+  """The RL job on a gs:// workdir (``tests/fake_gcs.py``), killed after its first checkpoint and resumed by the
+  same command, then the export and sample jobs from that bucket: every file lands in the bucket, nothing in a
+  local folder named after the URL, and the resumed run's final state equals the uninterrupted local run's."""
+  from margrpo_jax import main
+  from margrpo_jax.jobs import export
+  config, local, want = local_run
+  config = copy.deepcopy(config)
+  monkeypatch.chdir(tmp_path)
+  with fake_gcs.bucket(monkeypatch) as store:
+    run = "gs://fake-bucket/run"
+    rl_job.run(config, run, max_iters_this_run=1)  # "killed" after its first checkpoint
+    main._dispatch(config, run)  # the same command: validated against the bucket's config.json, resumed
+    mngr = checkpoint.manager(run + "/checkpoints", keep=1_000_000)
+    _, got = checkpoint.restore_latest(mngr, want)
+    assert _same(got, want)
+    _, _, exported = checkpoint.load_model(run + "/export")
+    _, _, local_export = checkpoint.load_model(str(local / "w" / "export"))
+    assert _same(exported, local_export)
+    config.export.dir = run + "/export_again"
+    export.run(config, run)
+    assert checkpoint.official_source(config.export.dir) == checkpoint.official_source(config.checkpoint)
+    sample = config_files.load("shapes_sample", None)
+    sample.update(checkpoint=run + "/export_again", max_prompts=8, batch_size=8, tfds_dir=config.tfds_dir)
+    sample.sampling.update(num_steps=4, diffusion_steps="5")
+    main._dispatch(sample, "gs://fake-bucket/samples")
+    files = store.files()
+  names = {k.split("/", 2)[2] for k in files if k.startswith("fake-bucket/run/")}
+  assert {"config.json", "metrics.jsonl", "base_eval.json", "report.json", "report.md", "before.png", "after.png",
+          "curves.png", "export/model.json", "export/source.json", "export_again/model.json"} <= names
+  assert {n.split("/")[1] for n in names if n.startswith("checkpoints/")} >= {"1", str(config.num_iters)}
+  assert len([k for k in files if k.startswith("fake-bucket/samples/samples/")]) == 8
+  assert json.loads(files["fake-bucket/samples/scores.json"])["num_images"] == 8
+  assert os.listdir(tmp_path) == []  # no ./gs: folder
 
 
 def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base):

@@ -35,14 +35,15 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype o
 
 def run(family: str, src: str, out: str, size: str | None = None, dtype: str = "float32") -> dict:
   """Convert ``src`` and write ``out``; returns the coverage report."""
-  from margrpo_jax import checkpoint
+  from margrpo_jax import checkpoint, fileio
   from margrpo_jax.convert import core
   if family not in FAMILIES:
     raise core.ConversionError(f"--family={family!r} is not one of {', '.join(FAMILIES)}.")
   module = importlib.import_module(f"margrpo_jax.convert.{FAMILIES[family]}")
   sd = core.state_dict(core.read_checkpoint(src), prefer=getattr(module, "PREFER", ()), origin=src)
   model_cfg, params, report = module.convert(sd, origin=src, size=size)
-  checkpoint.save_model(out, params, model_cfg, dtype=None if dtype == "float32" else dtype)
+  checkpoint.save_model(out, params, model_cfg, dtype=None if dtype == "float32" else dtype,
+                        source=fileio.resolve(src))
   return report
 
 

@@ -98,14 +98,31 @@ def _dtypes(tree) -> dict:
   return {k: v.dtype for k, v in core._flatten(tree).items() if hasattr(v, "dtype")}
 
 
-def export(family: str, src: str, template: str, out: str) -> dict:
+def template_of(src: str, template: str | None) -> str:
+  """``template``, else the official checkpoint ``src`` records it descends from (``source.json``: written by
+  the converter, carried by the RL and export jobs), or one sentence."""
+  if template:
+    return template
+  recorded = checkpoint.official_source(src)
+  if recorded is None:
+    raise core.ConversionError(f"{src} records no official checkpoint it descends from (no source.json): pass "
+                               "--template=<the official file or transformer/ folder its base was converted from>.")
+  if not fileio.exists(recorded):
+    raise core.ConversionError(f"{recorded}, the official checkpoint {src}/source.json names, is gone: pass "
+                               "--template=<where it is now>.")
+  return recorded
+
+
+def export(family: str, src: str, template: str | None, out: str) -> dict:
   """Write the export at ``src`` (a fine-tuned ``model.json`` + ``params/``) in the official layout of
-  ``template`` (the official file or folder its base was converted from) to ``out``; returns a small report."""
+  ``template`` (the official file or folder its base was converted from; ``None``: the one ``src`` records,
+  :func:`template_of`) to ``out``; returns a small report."""
   if family not in FAMILIES:
     raise core.ConversionError(f"--family={family!r} is not one of {', '.join(FAMILIES)}.")
   model_cfg, _, params = checkpoint.load_model(src)
   if model_cfg.family != family:
     raise core.ConversionError(f"{src} holds a {model_cfg.family!r} model, not a {family!r} one.")
+  template = template_of(src, template)
   params = jax.tree.map(np.asarray, params)
   if family == "nova":
     return _export_nova(src, template, out, model_cfg, params)
@@ -154,7 +171,6 @@ def _export_nova(src: str, template: str, out: str, model_cfg, params) -> dict:
   dtypes = {k: v.dtype for r in raws for k, v in core._flatten(r).items() if hasattr(v, "dtype")}
   fileio.write_bytes(os.path.join(out, "diffusion_pytorch_model.safetensors"), save(_torch_tensors(new, dtypes)))
   if os.path.isfile(os.path.join(folder, "config.json")):
-    with open(os.path.join(folder, "config.json"), "rb") as f:
-      fileio.write_bytes(os.path.join(out, "config.json"), f.read())
+    fileio.write_bytes(os.path.join(out, "config.json"), fileio.read_bytes(os.path.join(folder, "config.json")))
   return dict(family="nova", src=src, template=template, out=out, keys=len(new),
               changed=int(sum(not np.array_equal(new[k], sd[k]) for k in sd)))

@@ -21,11 +21,12 @@ Files are read as UTF-8 (a BOM is ignored); ``\\n``, ``\\r\\n`` and ``\\r`` line
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
-from pathlib import Path
 from typing import Any
 
+from margrpo_jax import fileio
 from margrpo_jax.data import shapes
 
 __all__ = ["PromptFileError", "FORMATS", "read_prompt_file", "read_prompt_dir", "prompt_dir_files"]
@@ -68,13 +69,13 @@ def _is_shapes_metadata(obj: dict, parsed: dict | None) -> bool:
   return False
 
 
-def _read_lines(path: Path) -> list[tuple[int, str]]:
+def _read_lines(path: str) -> list[tuple[int, str]]:
   """(1-based line number, text) for every non-blank line; raises PromptFileError."""
-  if not path.exists():
+  if not fileio.exists(path):
     raise _err(path, "file does not exist")
-  if path.is_dir():
+  if fileio.isdir(path):
     raise _err(path, "is a directory, not a file (use read_prompt_dir)")
-  data = path.read_bytes()
+  data = fileio.read_bytes(path)
   try:
     text = data.decode("utf-8-sig")
   except UnicodeDecodeError as e:
@@ -87,12 +88,12 @@ def _read_lines(path: Path) -> list[tuple[int, str]]:
   return lines
 
 
-def _resolve_format(path: Path, fmt: str, first_line: str) -> str:
+def _resolve_format(path: str, fmt: str, first_line: str) -> str:
   if fmt not in FORMATS:
     raise ValueError(f"unknown prompt file format {fmt!r}; expected one of {FORMATS}")
   if fmt != "auto":
     return fmt
-  ext = path.suffix.lower()
+  ext = os.path.splitext(path)[1].lower()
   if ext in (".jsonl", ".json"):
     return "jsonl"
   if ext == ".txt":
@@ -100,7 +101,7 @@ def _resolve_format(path: Path, fmt: str, first_line: str) -> str:
   return "jsonl" if first_line.lstrip().startswith("{") else "txt"
 
 
-def _jsonl_record(path: Path, lineno: int, line: str) -> dict:
+def _jsonl_record(path: str, lineno: int, line: str) -> dict:
   try:
     obj = json.loads(line)
   except json.JSONDecodeError as e:
@@ -137,11 +138,11 @@ def _jsonl_record(path: Path, lineno: int, line: str) -> dict:
   return {"prompt": prompt, "tag": tag or "", "metadata": metadata}
 
 
-def _txt_record(path: Path, line: str) -> dict:
+def _txt_record(path: str, line: str) -> dict:
   prompt = line.strip()
   parsed = shapes.parse_prompt(prompt)
   metadata = parsed if parsed is not None else {"prompt": prompt}
-  return {"prompt": prompt, "tag": path.stem, "metadata": metadata}
+  return {"prompt": prompt, "tag": os.path.splitext(os.path.basename(path))[0], "metadata": metadata}
 
 
 def read_prompt_file(path, fmt: str = "auto") -> list[dict]:
@@ -156,7 +157,7 @@ def read_prompt_file(path, fmt: str = "auto") -> list[dict]:
   """
   if fmt not in FORMATS:
     raise ValueError(f"unknown prompt file format {fmt!r}; expected one of {FORMATS}")
-  path = Path(path)
+  path = fileio.resolve(path)
   lines = _read_lines(path)
   fmt = _resolve_format(path, fmt, lines[0][1])
   if fmt == "jsonl":
@@ -168,15 +169,16 @@ def _default_patterns(fmt: str) -> tuple[str, ...]:
   return {"jsonl": ("*.jsonl", "*.json"), "txt": ("*.txt",)}.get(fmt, ("*.jsonl", "*.json", "*.txt"))
 
 
-def prompt_dir_files(path, fmt: str = "auto", pattern: str | None = None) -> list[Path]:
+def prompt_dir_files(path, fmt: str = "auto", pattern: str | None = None) -> list[str]:
   """The files ``read_prompt_dir`` would read, sorted by name (not recursive)."""
   if fmt not in FORMATS:
     raise ValueError(f"unknown prompt file format {fmt!r}; expected one of {FORMATS}")
-  path = Path(path)
-  if not path.is_dir():
-    raise _err(path, "directory does not exist" if not path.exists() else "is not a directory")
+  path = fileio.resolve(path)
+  if not fileio.isdir(path):
+    raise _err(path, "directory does not exist" if not fileio.exists(path) else "is not a directory")
   patterns = (pattern,) if pattern else _default_patterns(fmt)
-  files = sorted({p for pat in patterns for p in path.glob(pat) if p.is_file()}, key=lambda p: p.name)
+  names = [n for n in fileio.listdir(path) if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+  files = [f for f in (os.path.join(path, n) for n in sorted(set(names))) if fileio.isfile(f)]
   if not files:
     raise _err(path, f"no prompt files matching {' or '.join(patterns)} in this directory")
   return files

@@ -27,12 +27,13 @@ def run(config, workdir: str) -> str:
     s = rl_job.setup(config, workdir=workdir)
     _, state = checkpoint.restore_latest(mngr, s.init_state())
     params, model_cfg = s.trained_params(state), s.model_cfg
+    source = checkpoint.official_source(rl_job.base_checkpoint(config, workdir))
   else:
     from margrpo_jax.jobs import pretrain
     _, _, state = pretrain.init_state(config)
     _, state = checkpoint.restore_latest(mngr, state)
-    params, model_cfg = state["ema"], config.model
+    params, model_cfg, source = state["ema"], config.model, None
   out = checkpoint.save_model(config.export.dir or os.path.join(workdir, "export"), params, model_cfg,
-                              DTYPES[config.export.dtype])
+                              DTYPES[config.export.dtype], source=source)
   print(f"exported step {mngr.latest_step()} of {workdir} to {out} ({config.export.dtype})", flush=True)
   return out

@@ -270,7 +270,8 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   if end < config.num_iters:
     return state
   final_params = s.trained_params(state)
-  export = checkpoint.save_model(os.path.join(workdir, "export"), final_params, model_cfg)
+  export = checkpoint.save_model(os.path.join(workdir, "export"), final_params, model_cfg,
+                                 source=checkpoint.official_source(base_checkpoint(config, workdir)))
   logging.info("evaluating the fine-tuned policy on the same %d prompts and seeds ...", len(eval_recs))
   final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs, s.mesh)
   report = dict(base=base_eval, final=final_eval, checkpoint=export, iterations=config.num_iters,

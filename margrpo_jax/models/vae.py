@@ -38,6 +38,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from margrpo_jax import fileio
+
 # kind -> architecture (docs/models.md sections 1.5, 3.5; 'shapes': docs/tokenizer.md)
 KINDS = {
     "kl16": dict(layout="ldm", ch=128, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=2, enc_attn_levels=(4,),
@@ -227,8 +229,8 @@ def load(path: str | None, what: str = "model.vae_checkpoint"):
   if not path:
     raise CheckpointError(f"{what} is not set: convert the VAE with `python -m margrpo_jax.convert "
                           "--family=kl16` (or sdvae) and pass the output folder.")
-  path = os.path.abspath(os.path.expanduser(path))
-  if not os.path.isfile(os.path.join(path, "model.json")):
+  path = fileio.resolve(path)
+  if not fileio.isfile(os.path.join(path, "model.json")):
     raise CheckpointError(f"{what}={path} is not a converted VAE export (no model.json inside).")
   return _load(path)
 

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from margrpo_jax import fileio
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -133,8 +134,9 @@ def preprocess(images: jax.Array, size: int = 224, resize: str = "pil", mean=OPE
 
 # -- loading ----------------------------------------------------------------------------------------------------
 def _path(cfg, name: str, key: str, hint: str) -> str:
-  path = os.path.expanduser(str(cfg.get(key, "") or ""))
-  if not path or not os.path.exists(path):
+  path = str(cfg.get(key, "") or "")
+  path = fileio.resolve(path) if path else path
+  if not path or not fileio.exists(path):
     raise FileNotFoundError(f"rewards.{name}.{key}={path!r} does not exist; {hint}")
   return path
 

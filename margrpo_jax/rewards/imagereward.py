@@ -18,7 +18,6 @@ How to use::
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import jax
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from margrpo_jax import fileio
 from margrpo_jax.rewards import wordpiece
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -62,8 +62,9 @@ def preprocess(images: jax.Array, size: int, mean=CLIP_MEAN, std=CLIP_STD) -> ja
 
 
 def _need(cfg, key: str) -> str:
-  path = os.path.expanduser(str(cfg.get(key, "") or ""))
-  if not path or not os.path.exists(path):
+  path = str(cfg.get(key, "") or "")
+  path = fileio.resolve(path) if path else path
+  if not path or not fileio.exists(path):
     raise FileNotFoundError(f"rewards.imagereward.{key}={path!r} does not exist; "
                             + ("convert ImageReward.pt with python -m margrpo_jax.convert --family=imagereward."
                                if key == "checkpoint" else "give bert-base-uncased's vocab.txt."))

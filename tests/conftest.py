@@ -3,6 +3,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one persistent compilation cache for the session and the
+  import atexit  # noqa: E402  subprocesses it starts: a program compiled by one test (or process) is loaded by
+  import shutil  # noqa: E402  the next that builds the same one (new jitted closures, reruns, process pairs)
+  import tempfile  # noqa: E402
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="margrpo_jax_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 import pathlib  # noqa: E402
 

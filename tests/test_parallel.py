@@ -43,7 +43,7 @@ def test_sharded_pretrain_step_equals_one_device(checks, mesh):
     assert r["sharded_leaves"] > 0
 
 
-@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("mesh", ("2x4", "2x2x2"))  # parallel_checks.RL_MESHES: the RL step compiles slowest
 def test_sharded_rl_step_equals_one_device_with_mte_and_topk(checks, mesh):
   r = checks[f"rl/{mesh}"]
   assert r["loss"] < TOL and r["kl"] < TOL and r["keep"] == 0.0 and r["params"] < TOL, r
@@ -62,10 +62,10 @@ def test_restore_onto_another_mesh(checks, target):
 
 @pytest.mark.parametrize("model", ["shapes", "harmon", "nova"])
 def test_plan_compiles_the_sharded_steps(checks, model):
-  """The sharded rollout and RL step compile on a 2 x 4 mesh: the shapes model, and the tiny Harmon (Qwen2.5
-  rules) and NOVA (Phi-2 and NOVA transformer rules, flow SDE rollouts)."""
+  """The sharded rollout and RL step compile on a 2 x 4 mesh: the shapes model (bfloat16 compute), and the tiny
+  Harmon (Qwen2.5 rules) and NOVA (Phi-2 and NOVA transformer rules, flow SDE rollouts)."""
   text = "\n".join(checks[f"plan/{model}"])
-  for name in ("rollout", "rl_step") + (("rollout_bfloat16", "rl_step_bfloat16") if model == "shapes" else ()):
+  for name in ("rollout_bfloat16", "rl_step_bfloat16") if model == "shapes" else ("rollout", "rl_step"):
     assert f"memory/{name}/per_device_peak_gib = " in text
     assert f"memory/{name}/temp_size = " in text
   assert "mesh = {'data': 2, 'fsdp': 4, 'tensor': 1}" in text

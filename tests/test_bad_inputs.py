@@ -190,3 +190,26 @@ def test_a_refused_resume_leaves_the_run_as_it_was(results):
                                                                                                 sort_keys=True)
   assert sorted(os.listdir(fx / "old_run")) == ["checkpoints", "config.json"]
   shutil.rmtree(fx / "old_run")
+
+
+def test_a_batch_that_does_not_split_over_the_devices_of_all_processes_is_one_sentence(monkeypatch):
+  """On a pod the mesh spans every process's devices (here: 2 processes x 4 devices, faked); a batch that does
+  not split over data x fsdp is refused before anything runs."""
+  import jax
+  from margrpo_jax import config_files, validate
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  c = config_files.load("shapes_rl", "smoke")  # 2 prompts x 2 images
+  c.parallel.mesh.update(data=1, fsdp=8, tensor=1)
+  with pytest.raises(config_files.ConfigError, match=r"= 4 images \(4 per minibatch\) cannot be split over the "
+                                                     r"batch axes data x fsdp = 8"):
+    validate.check_mesh(c)
+  c.rl.group_size = 4
+  validate.check_mesh(c)  # 8 images: one per device
+  c.eval.batch_size = 6
+  with pytest.raises(config_files.ConfigError, match="eval.batch_size=6 cannot be split"):
+    validate.check_mesh(c)
+  p = config_files.load("shapes_pretrain", "smoke")
+  p.parallel.mesh.update(data=2, fsdp=4, tensor=1)
+  p.batch_size = 12
+  with pytest.raises(config_files.ConfigError, match="batch_size=12 cannot be split over the batch axes"):
+    validate.check_mesh(p)

@@ -78,8 +78,8 @@ class Head(nn.Module):
     self.final_layer.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
 
   def forward(self, x, t, c):
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=torch.float32) / 128)
-    args = t.float()[:, None] * freqs[None]
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=c.dtype) / 128)
+    args = t.to(c.dtype)[:, None] * freqs[None]
     y = self.time_embed.mlp(torch.cat([torch.cos(args), torch.sin(args)], -1)) + self.cond_embed(c)
     x = self.input_proj(x)
     for b in self.res_blocks:
@@ -115,8 +115,8 @@ class TorchMAR(nn.Module):
 
   def encoder(self, x, mask, class_embedding):
     b, d = x.shape[0], self.z_proj.out_features
-    x = torch.cat([torch.zeros(b, self.buf, d), self.z_proj(x)], 1)
-    mask = torch.cat([torch.zeros(b, self.buf), mask], 1)
+    x = torch.cat([torch.zeros(b, self.buf, d, dtype=x.dtype), self.z_proj(x)], 1)
+    mask = torch.cat([torch.zeros(b, self.buf, dtype=mask.dtype), mask], 1)
     x[:, :self.buf] = class_embedding[:, None]
     x = self.z_proj_ln(x + self.encoder_pos_embed_learned)
     x = x[(1 - mask).nonzero(as_tuple=True)].reshape(b, -1, d)  # the buffer and the visible tokens only

@@ -172,6 +172,19 @@ class TorchMAR(nn.Module):
     return tokens
 
 
+def paired_models(size: str, threads: int = 0):
+  """``(torch model, its state dict as numpy, model_cfg, graphdef, params)``: a random-weight :class:`TorchMAR`
+  (seed 0) and the same weights converted into this project's model by ``convert/mar.py``."""
+  if threads:
+    torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  ref = TorchMAR(size)
+  sd = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
+  model_cfg, params, _ = mar_convert.convert(sd, "torch MAR", size=size)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
+  return ref, sd, model_cfg, graphdef, jax.tree.map(jnp.asarray, params)
+
+
 def _agree(ref: TorchMAR, graphdef, params, seed: int = 0) -> float:
   """Max |difference| of the decoder outputs z (same tokens, mask, labels) of the two models."""
   g = torch.Generator().manual_seed(seed)
@@ -198,14 +211,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   a = ap.parse_args()
-  if a.threads:
-    torch.set_num_threads(a.threads)
-  torch.manual_seed(0)
-  ref = TorchMAR(a.size).eval()
-  sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
-  model_cfg, params, _ = mar_convert.convert(sd, "torch MAR", size=a.size)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
-  params = jax.tree.map(jnp.asarray, params)
+  ref, sd, _, graphdef, params = paired_models(a.size, a.threads)
+  ref.eval()
   err = _agree(ref, graphdef, params)
   n_params = sum(v.size for v in sd.values())
   print(f"MAR-{a.size}: {n_params / 1e6:.1f}M parameters; encoder/decoder z agree to {err:.1e} (max |diff|)")

@@ -25,7 +25,7 @@ import time
 
 import torch  # noqa: I001 - torch, with the optimizers' dynamo / triton imports, before TensorFlow (else a segfault)
 import torch._dynamo  # noqa: F401
-from peer_sampler import TorchMAR  # sets JAX_PLATFORMS and the project's path
+from peer_sampler import TorchMAR, paired_models  # sets JAX_PLATFORMS and the project's path
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.convert import mar as mar_convert  # noqa: E402
 from margrpo_jax.jobs import rl as rl_job  # noqa: E402
-from margrpo_jax.models import class_mar, families  # noqa: E402
+from margrpo_jax.models import class_mar  # noqa: E402
 from margrpo_jax.rl import config as rl_config, loss as loss_lib, step as step_lib  # noqa: E402
 
 class_mar.SIZES.setdefault("small", (64, 2, 4, 2, 64))  # --size=small: a quick check of the agreement only
@@ -181,14 +181,7 @@ def main():
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   a = ap.parse_args()
-  if a.threads:
-    torch.set_num_threads(a.threads)
-  torch.manual_seed(0)
-  ref = TorchMAR(a.size)
-  sd = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
-  model_cfg, params, _ = mar_convert.convert(sd, "torch MAR", size=a.size)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
-  params = jax.tree.map(jnp.asarray, params)
+  ref, sd, model_cfg, graphdef, params = paired_models(a.size, a.threads)
 
   c = config_files.load("mar", "base")  # the paper's RL settings (overridden below where the flags say)
   c.mode = "rl"

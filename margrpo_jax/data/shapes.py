@@ -494,21 +494,24 @@ def unpatchify(tokens):
 
 _HOLDOUT_PAIRS = 64  # two_object unordered pairs / position arrangements held out
 _CLASS_CAP = 8
+_VAL_PAIRS = 32  # validation: two_object pairs / position arrangements
+_VAL_CLASS_CAP = 4
 
 
 def _stable_key(text: str) -> str:
   return hashlib.sha256(("shapes-world-holdout:" + text).encode()).hexdigest()
 
 
-def _greedy(cands: list[tuple], n: int, cap_axis: int | None = None) -> list[tuple]:
-  """Pick n candidates (classA, classB[, axis]) in stable-hash order under usage caps."""
-  cands = sorted(cands, key=lambda c: _stable_key("|".join(map(str, c))))
+def _greedy(cands: list[tuple], n: int, cap_axis: int | None = None, cap: int = _CLASS_CAP,
+            salt: str = "") -> list[tuple]:
+  """Pick n candidates (classA, classB[, axis]) in stable-hash order (of ``salt`` + text) under usage caps."""
+  cands = sorted(cands, key=lambda c: _stable_key(salt + "|".join(map(str, c))))
   use = {c: 0 for c in CLASSES}
   axis_use: dict = {}
   out = []
   for c in cands:
     a, b = c[0], c[1]
-    if use[a] >= _CLASS_CAP or use[b] >= _CLASS_CAP:
+    if use[a] >= cap or use[b] >= cap:
       continue
     if cap_axis is not None and axis_use.get(c[2], 0) >= cap_axis:
       continue
@@ -537,10 +540,7 @@ def _heldout_prompts() -> dict[str, frozenset]:
   arrangements = [(a, b, ax) for a in CLASSES for b in CLASSES if a != b for ax in ("h", "v")]
   pos = set()
   for a, b, ax in _greedy(arrangements, _HOLDOUT_PAIRS, cap_axis=_HOLDOUT_PAIRS // 2):
-    if ax == "h":  # a left of b
-      pos |= {f"a {a} to the left of a {b}", f"a {b} to the right of a {a}"}
-    else:  # a above b
-      pos |= {f"a {a} above a {b}", f"a {b} below a {a}"}
+    pos |= set(_arrangement(a, b, ax))
   return {
     "single_object": frozenset(single),
     "two_object": frozenset(two),
@@ -550,25 +550,55 @@ def _heldout_prompts() -> dict[str, frozenset]:
 
 
 @functools.lru_cache(maxsize=None)
-def _pools_cached(split: str) -> dict[str, tuple[dict, ...]]:
+def _val_prompts() -> dict[str, frozenset]:
+  """The validation prompts: held out by text from the eval prompts and from train (module docstring)."""
   held = _heldout_prompts()
+  single = {f"a {COLORS[k]} {SHAPES[(k + 1) % 3]}" for k in (0, 2, 4)}
+  counting = {f"{_NUMBER_WORD[(2, 3, 4)[(ci + si + 1) % 3]]} {col} {sh}s"
+              for ci, col in enumerate(COLORS) for si, sh in enumerate(SHAPES) if (ci + si) % 2 == 0}
+  pairs = [(a, b) for i, a in enumerate(CLASSES) for b in CLASSES[i + 1 :]
+           if f"a {a} and a {b}" not in held["two_object"]]
+  two = set()
+  for a, b in _greedy(pairs, _VAL_PAIRS, cap=_VAL_CLASS_CAP, salt="val:"):
+    two |= {f"a {a} and a {b}", f"a {b} and a {a}"}
+  arrangements = [(a, b, ax) for a in CLASSES for b in CLASSES if a != b for ax in ("h", "v")
+                  if _arrangement(a, b, ax)[0] not in held["position"]]
+  pos = set()
+  for a, b, ax in _greedy(arrangements, _VAL_PAIRS, cap_axis=_VAL_PAIRS // 2, cap=_VAL_CLASS_CAP, salt="val:"):
+    pos |= set(_arrangement(a, b, ax))
+  return {"single_object": frozenset(single), "two_object": frozenset(two), "counting": frozenset(counting),
+          "position": frozenset(pos)}
+
+
+def _arrangement(a: str, b: str, axis: str) -> tuple[str, str]:
+  """The two wordings of ``a`` left of (axis 'h') or above (axis 'v') ``b``."""
+  if axis == "h":
+    return f"a {a} to the left of a {b}", f"a {b} to the right of a {a}"
+  return f"a {a} above a {b}", f"a {b} below a {a}"
+
+
+@functools.lru_cache(maxsize=None)
+def _pools_cached(split: str) -> dict[str, tuple[dict, ...]]:
+  held, val = _heldout_prompts(), _val_prompts()
   out = {}
   for t in TASKS:
     allp = _enumerate_cached(t)
     if split == "eval":
       out[t] = tuple(m for m in allp if m["prompt"] in held[t])
+    elif split == "val":
+      out[t] = tuple(m for m in allp if m["prompt"] in val[t])
     elif split == "train":
-      out[t] = tuple(m for m in allp if m["prompt"] not in held[t])
+      out[t] = tuple(m for m in allp if m["prompt"] not in held[t] and m["prompt"] not in val[t])
     elif split == "all":
       out[t] = allp
     else:
-      raise ValueError(f"split must be 'train', 'eval' or 'all', got {split!r}.")
+      raise ValueError(f"split must be 'train', 'val', 'eval' or 'all', got {split!r}.")
   return out
 
 
 def task_pools(split: str) -> dict[str, list[dict]]:
-  """Unique prompts per task of a split: 'eval' (6 / 128 / 18 / 128 held out), 'train' (the
-  rest: 12 / 178 / 36 / 1096) or 'all'. Lists keep enumerate_prompts order."""
+  """Unique prompts per task of a split: 'eval' (6 / 128 / 18 / 128 held out), 'val' (3 / 64 / 9 / 64, held
+  out from train too), 'train' (the rest: 9 / 114 / 27 / 1032) or 'all'. Lists keep enumerate_prompts order."""
   return {t: [_copy_md(m) for m in ms] for t, ms in _pools_cached(split).items()}
 
 
@@ -578,14 +608,14 @@ EVAL_PER_TASK = 128
 def split_records(split: str, num_train: int = 20000, seed: int = 0) -> list[dict]:
   """Deterministic records of a split (see the module docstring for the scheme).
 
-  'eval': 512 records, 128 per task, task-major, held-out pools cycled in order (``seed`` and
+  'eval' and 'val': 512 records, 128 per task, task-major, the held-out pools cycled in order (``seed`` and
   ``num_train`` unused). 'train': ``num_train`` records, record k of task TASKS[k % 4], drawn by
   walking seeded permutations of that task's train pool.
   """
-  pools = _pools_cached(split) if split in ("train", "eval") else None
+  pools = _pools_cached(split) if split in ("train", "val", "eval") else None
   if pools is None:
-    raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
-  if split == "eval":
+    raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}.")
+  if split != "train":
     return [_copy_md(pools[t][k % len(pools[t])]) for t in TASKS for k in range(EVAL_PER_TASK)]
   rng = np.random.default_rng(seed)
   per_task = [(num_train - k + len(TASKS) - 1) // len(TASKS) for k in range(len(TASKS))]
@@ -595,6 +625,17 @@ def split_records(split: str, num_train: int = 20000, seed: int = 0) -> list[dic
     idx = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-n // len(pool)))])[:n] if n else []
     streams.append([pool[int(i)] for i in idx])
   return [_copy_md(streams[k % len(TASKS)][k // len(TASKS)]) for k in range(num_train)]
+
+
+def grammar_sample(per_task: int, seed: int) -> list[dict]:
+  """``per_task`` prompts of each task drawn uniformly (with replacement) from the whole grammar, task-major: the
+  prompts an outside check would draw, blind to the splits (most of them are train prompts)."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for t in TASKS:
+    pool = _enumerate_cached(t)
+    out += [_copy_md(pool[int(i)]) for i in rng.integers(len(pool), size=per_task)]
+  return out
 
 
 def stratified_subset(records: Sequence[dict], num: int) -> list[dict]:

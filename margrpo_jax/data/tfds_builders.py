@@ -4,7 +4,7 @@ Datasets (every example: ``prompt`` Text, ``tag`` Text, ``metadata`` Text holdin
 ``json.dumps(metadata, sort_keys=True)``, ``index`` int32 = position in the source file/list;
 examples are stored unshuffled, in source order):
 
-* ``shapes_world`` (1.0.0): splits ``train`` and ``eval`` from ``shapes.split_records``. No downloads.
+* ``shapes_world`` (1.1.0): splits ``train``, ``val`` and ``eval`` from ``shapes.split_records``. No downloads.
 * ``prompt_files/<config>`` (1.0.0), read from the manual dir
   (``download_config.manual_dir``, default ``<data_dir>/downloads/manual``):
 
@@ -98,10 +98,10 @@ def _example(index: int, prompt: str, tag: str, metadata: dict) -> dict:
 
 
 class ShapesWorld(_BuilderMixin, tfds.core.GeneratorBasedBuilder):
-  """The offline shapes-world prompts (train and 512-prompt eval), with GenEval-style metadata."""
+  """The offline shapes-world prompts (train, 512-prompt val and eval), with GenEval-style metadata."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.0.0": "Initial release.", "1.1.0": "A 'val' split held out from train and eval."}
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
@@ -116,7 +116,7 @@ class ShapesWorld(_BuilderMixin, tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Generated offline.
-    return {"train": self._generate_examples("train"), "eval": self._generate_examples("eval")}
+    return {split: self._generate_examples(split) for split in ("train", "val", "eval")}
 
   def _generate_examples(self, split: str):
     for i, md in enumerate(shapes.split_records(split)):

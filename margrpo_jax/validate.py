@@ -56,13 +56,13 @@ IN_RANGE = {
     "sampling.clip_denoised": (0, INF, True, False), "sampling.flow_noise_level": (0, INF, True, False),
     "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.topk_fraction": (0, 1, True, True),
     "rl.ema_decay": (0, 1, True, False), "rl.flow_noise_level": (0, INF, True, False),
-    "rl.mar_objective.label_drop": (0, 1, True, False),
+    "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
 OPTIONS = {
     "optim.decay": ("constant", "cosine"), "sampling.cfg_schedule": ("linear", "constant"),
-    "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": ("cosine", "uniform"),
-    "rl.mar_objective.mask_ratio": ("cosine", "uniform"), "rl.compute_dtype": ("float32", "bfloat16"),
+    "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": ("cosine", "truncnorm"),
+    "rl.mar_objective.mask_ratio": ("cosine", "truncnorm"), "rl.compute_dtype": ("float32", "bfloat16"),
 }
 # keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
 SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
@@ -216,10 +216,11 @@ def check_rl(config) -> None:
       raise ConfigError(f"config.checkpoint is not set: a {config.model.family} run needs a converted export "
                         "(python -m margrpo_jax.convert)")
     model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
-  if config.rl.logp == "mar" and config.rl.reencode and not cls.can_encode():
-    raise ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
-                      "implemented: set rl.reencode=False to score the sampled tokens")
-  rl_config.step_config(config, model_cfg)  # with the base's own head (a flow head's rules: rl.logp, noise level)
+  from margrpo_jax.rl import estimators
+  if estimators.get(config.rl.estimator).REENCODES and not cls.can_encode():
+    raise ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the images, and "
+                      f"the {model_cfg.family} family's image encoder is not implemented: use rl.estimator='chain'")
+  rl_config.step_config(config, model_cfg)  # with the base's own head (a flow head's rules: estimator, noise level)
   verifier = next((k for k in weights if k in registry.NEEDS_SHAPES), None)
   if verifier and model_cfg.family != "tiny":
     raise ConfigError(f"rl.rewards.{verifier} is a shapes-world verifier reward, but the base is a "

@@ -58,8 +58,9 @@ def test_tiny_family_rl_end_to_end(family, fidelity, tmp_path):
 
 
 def test_official_fidelity_on_nova_sets_the_official_nova_switches():
-  """``rl.fidelity=official`` on a flow-head model writes the official NOVA values (unguided commit-time MTE, channel
-  mean, diffusion steps drawn per AR step, bfloat16 log-probs, U per latent pixel + 1 random pixel) on top of the shared official switches."""
+  """``rl.fidelity=official`` on a flow-head model writes the official NOVA values (the pre-step mask, unguided
+  commit-time MTE, channel mean, diffusion steps drawn per AR step, bfloat16 log-probs, U per latent pixel + 1
+  random pixel) on top of the shared official switches; on Harmon the post-step mask (B1)."""
   from margrpo_jax.rl import config as rl_config
   c = config_files.load("nova", "tiny")
   c.rl.fidelity = "official"
@@ -68,11 +69,13 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   sc = rl_config.step_config(c, c.model)
   assert sc.batch.diffusion_per_ar_step and sc.loss.logp_bf16 and sc.loss.channel_reduction == "mean"
   assert not sc.batch.mte_commit_guided and sc.flow == (0.7, 1.0) and sc.sampler.mask_schedule == "cos_round"
+  assert not sc.batch.mask_after_step  # NOVA: visibility = known before step i, region includes its decoded tokens
   assert (sc.batch.uncertainty_unit, sc.batch.pixel_channels, sc.batch.topk_random) == ("pixel", 4, 1)
   h = config_files.load("harmon", "tiny")
   h.rl.fidelity = "official"
   rl_config.resolve_fidelity(h)
   assert {k: h.rl[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL and not h.rl.logp_bf16
+  assert h.rl.mask_after_step  # Harmon's post-step mask (B1)
 
 
 def test_tiny_configs_sample_from_their_random_base(tmp_path):

@@ -97,13 +97,16 @@ def plan(config, emit=lambda line: None) -> list[str]:
   for dtype in dtypes:  # the memory of each compute dtype (models/precision.py): 'rollout', 'rollout_bfloat16', ...
     g = precision.with_compute(graphdef, params, dtype)
     tag = "" if dtype == "float32" else f"_{dtype}"
-    rollout = sampler_lib.make_sample_fn(g, diff, static.sampler, record=True, mesh=mesh, rules=rules,
-                                         params=params, ids_ndim=len(ids_shape))
+    rollout = sampler_lib.make_sample_fn(g, diff, static.sampler, record=static.reads_chains, mesh=mesh,
+                                         rules=rules, params=params, ids_ndim=len(ids_shape))
     lines += _memory_lines(f"rollout{tag}", rollout.lower(params, ids, key).compile())
     final, rec = jax.eval_shape(rollout, params, ids, key)
     tx, step = step_lib.compiled_step(g, static, mesh, rules, (sharding.signature(policy), sharding.signature(frozen)))
-    sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape))["in_shardings"]
+    sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape), ema=bool(static.ema_decay),
+                                 records=static.reads_chains)["in_shardings"]
     state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
+    if static.ema_decay:
+      state["ema"] = policy
     args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
     lines += _memory_lines(f"rl_step{tag}", step.lower(*_abstract(args, sh)).compile())
   return list(lines)

@@ -1,8 +1,9 @@
 r"""The RL job (``config.mode = 'rl'``): MAR-GRPO fine-tuning of a base export.
 
 Each iteration: rollout (recorded, jitted) -> rewards (registry) -> group advantages -> one jitted update
-(``rl/step.py``: batch with MTE, token selection and reference, then the loss of ``rl/loss.py``; or, with
-``rl.logp='mar'``, MAR's training ELBO of the tokenizer's re-encoding of the images) of the policy (the AR
+(``rl/step.py`` with the estimator ``rl.estimator`` of ``rl/estimators/``: from the recorded chains, batch with MTE,
+token selection and reference, then the loss of ``rl/loss.py``; or a forward-process estimator on the tokenizer's
+re-encoding of the images, with a rollout that records nothing) of the policy (the AR
 backbone and text encoder); the diffusion head (unless ``rl.train_head``) and the reference are separate
 pytrees that never reach the optimizer. ``config.rl`` is resolved once, when the config is read
 (``rl/config.py``: ``rl.fidelity='official'`` writes the official value of every switch into it, so
@@ -37,7 +38,7 @@ from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import advantages, config as rl_config, prompts as rl_prompts, step as step_lib
+from margrpo_jax.rl import advantages, config as rl_config, estimators, prompts as rl_prompts, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 
@@ -130,9 +131,10 @@ def setup(config, params_override=None, workdir: str | None = None) -> Setup:
   static = rl_config.step_config(config)  # every RL option validated before anything is loaded
   model_cfg, graphdef, params = params_override or checkpoint.load_model(base_checkpoint(config, workdir))
   graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"))
-  if config.rl.logp == "mar" and config.rl.reencode and not families.get(model_cfg.family).can_encode():
-    raise config_files.ConfigError(f"rl.reencode needs the {model_cfg.family} family's image encoder, which is not "
-                                   "implemented: set rl.reencode=False to score the sampled tokens")
+  if estimators.get(config.rl.estimator).REENCODES and not families.get(model_cfg.family).can_encode():
+    raise config_files.ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the "
+                                   f"images, and the {model_cfg.family} family's image encoder is not implemented: "
+                                   "use rl.estimator='chain'")
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
   static = rl_config.step_config(config, model_cfg)  # with the base's own fields
@@ -142,8 +144,8 @@ def setup(config, params_override=None, workdir: str | None = None) -> Setup:
   sigs = (sharding.signature(policy), sharding.signature(frozen))
   tx, step_fn = step_lib.compiled_step(graphdef, static, mesh, rules, sigs)
   diff = step_lib.make_chain(static)  # the Gaussian head's respaced diffusion, or NOVA's flow SDE
-  rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=True, mesh=mesh, rules=rules,
-                                          params=params, ids_ndim=static.ids_ndim)
+  rollout_fn = sampler_lib.make_sample_fn(graphdef, diff, static.sampler, record=static.reads_chains, mesh=mesh,
+                                          rules=rules, params=params, ids_ndim=static.ids_ndim)
   state_sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, static.ids_ndim,
                                      ema=bool(static.ema_decay))["out_shardings"][0]
   ref = jax.device_put(jax.tree.map(jnp.copy, policy), state_sh["policy"])  # frozen copy, never donated
@@ -171,6 +173,16 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   return dict(recs=recs, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
 
 
+def training_tokens(config, s: Setup, ro: dict):
+  """The tokens the update scores: the rollout's own, or, for an estimator that re-encodes, the tokenizer's latents
+  of the decoded images the reward saw."""
+  if not estimators.get(config.rl.estimator).REENCODES:
+    return ro["final"]
+  family = families.get(s.model_cfg.family)
+  local = np.asarray(family.encode_images(s.model_cfg, ro["images"][sharding.host_rows(len(ro["images"]))]))
+  return sharding.to_global(local, sharding.batch_sharding(s.mesh, 3))
+
+
 def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   """One RL iteration: rollout, rewards, group advantages (permuted inside groups when
   ``rl.shuffle_advantages``, the no-signal control), one jitted update. Returns ``(state, metrics, rollout)``;
@@ -185,15 +197,10 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   adv = np.asarray(advantages.group_advantages(reward, g, config.rl.advantage))
   if config.rl.shuffle_advantages:
     adv = advantages.shuffle_in_groups(adv, g, [config.seed, it])
-  if config.rl.positive_only:  # learn from the better-than-group images only (no push away from the others)
-    adv = np.maximum(adv, 0.0)
+  adv = advantages.shape_weights(adv, config.rl.positive_only, config.rl.adv_clip)
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
-  final = ro["final"]
-  if config.rl.logp == "mar" and config.rl.reencode:  # the tokenizer's latents of the images the reward saw
-    family = families.get(s.model_cfg.family)
-    local = np.asarray(family.encode_images(s.model_cfg, ro["images"][sharding.host_rows(len(ro["images"]))]))
-    final = sharding.to_global(local, sharding.batch_sharding(s.mesh, 3))
-  state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], final, rng.stream(ro["key"], "train"))
+  state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], training_tokens(config, s, ro),
+                       rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
   if verifiable(s.model_cfg, ro["recs"]):
     strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"],

@@ -8,7 +8,7 @@ each token's ``(z, x_0)`` pair is repeated ``diffusion_batch_mul`` times with in
 noise, and ``l(token) = MSE(eps) + VLB`` (``gaussian.training_loss``) on the masked tokens.
 
 Averaged over the orders, masks and noise levels, ``-l`` is (up to constants and level weights) an evidence lower
-bound of ``log p(x | prompt)`` under the MAR, which is what RL's ``rl.logp='mar'`` scores (docs/rl_signal.md).
+bound of ``log p(x | prompt)`` under the MAR, which RL's forward-process estimators score (``rl/estimators/``: image_elbo, awm, nft).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def validate(obj: MaskedObjective) -> None:
                      f"{obj.label_drop} lie in [0, 1]")
 
 
-def _mask(obj: MaskedObjective, b: int, seq_len: int, key: jax.Array) -> jax.Array:
+def sample_mask(obj: MaskedObjective, b: int, seq_len: int, key: jax.Array) -> jax.Array:
   """(B, L) bool: the masked (predicted) tokens of each image."""
   order = jax.vmap(lambda k: jax.random.permutation(k, seq_len))(jax.random.split(rng.stream(key, "order"), b))
   if obj.mask_ratio == "cosine":
@@ -61,7 +61,7 @@ def per_token(model, diff: gaussian.Diffusion, obj: MaskedObjective, ids, x0, ke
   with a ``ref_model``, ``kl`` (m, B, L) = ``1/2 mean_c (eps_hat - eps_hat_ref)^2`` at the same draws (the two
   denoisers' distance, gradient through the model only), else None."""
   b, seq_len, _ = x0.shape
-  mask = _mask(obj, b, seq_len, key)
+  mask = sample_mask(obj, b, seq_len, key)
   drop = jax.random.bernoulli(rng.stream(key, "label_drop"), obj.label_drop, (b,))
   m = obj.diffusion_batch_mul
   t = jax.random.randint(rng.stream(key, "timestep"), (m, b, seq_len), 0, diff.num_steps)

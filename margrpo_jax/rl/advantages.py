@@ -35,3 +35,14 @@ def shuffle_in_groups(adv, group_size: int, seed) -> np.ndarray:
   """The control: ``adv`` permuted inside each group (same values, no link to the images that earned them)."""
   r = np.random.default_rng(seed)
   return np.concatenate([r.permutation(g) for g in np.asarray(adv).reshape(-1, group_size)])
+
+
+def shape_weights(adv, positive_only: bool = False, clip: float = 0.0) -> np.ndarray:
+  """The update's per-image weights from the advantages: clipped at 0 (``positive_only``: only the images better
+  than their group's mean are trained on) and / or to ``[-clip, clip]`` (``clip > 0``, AWM's bound)."""
+  adv = np.asarray(adv, np.float32)
+  if positive_only:
+    adv = np.maximum(adv, 0.0)
+  if clip > 0:
+    adv = np.clip(adv, -clip, clip)
+  return adv

@@ -65,14 +65,14 @@ class BatchConfig:
   diffusion_per_ar_step: bool = False  # draw the k diffusion steps per selected AR step (official NOVA) instead
                                        # of once for all of them (official Harmon)
   logp: str = "chain"              # a token's log-likelihood: 'chain' = its recorded diffusion transitions (the
-                                   # paper) | 'elbo' = the head's denoising ELBO of its final value x_0, at
-                                   # num_diffusion_steps noise levels of the window with fresh noise | 'mar' =
-                                   # the image's MAR training ELBO (rl/step.py: mar_update; no batch is built)
+                                   # paper; rl.estimator='chain') | 'elbo' = the head's denoising ELBO of its final
+                                   # value x_0 at num_diffusion_steps noise levels of the window with fresh noise,
+                                   # q-MTE on U (rl.estimator='token_elbo')
 
 
 OPTIONS = dict(mte_latent=("step", "commit"), topk_scope=("region", "all"),
                selection_chains=("independent", "scored"), loss_tokens=("unknown", "decoded"),
-               logp=("chain", "elbo", "mar"), uncertainty_unit=("token", "pixel"))
+               logp=("chain", "elbo"), uncertainty_unit=("token", "pixel"))
 
 
 def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[int, int]:
@@ -105,9 +105,6 @@ def validate(bcfg: BatchConfig, num_steps: int) -> None:
                      "needs rl.mte_seeds > 0")
   if bcfg.num_ar_steps < 1:
     raise ValueError(f"rl.num_ar_steps={bcfg.num_ar_steps} must be at least 1")
-  if bcfg.logp == "elbo" and bcfg.mte_seeds:
-    raise ValueError(f"rl.logp='elbo' scores each token's final value, so MTE trajectories have no role: set "
-                     f"rl.mte_seeds=0 (got {bcfg.mte_seeds})")
 
 
 def diffusion_positions(bcfg: BatchConfig, num_steps: int, key: jax.Array) -> jax.Array:
@@ -159,29 +156,42 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
   commit_z = at_commit(rec.z) if commit else None
   commit_z_u = at_commit(rec.z_u) if commit and bcfg.mte_commit_guided else None
 
-  independent = bcfg.selection_chains == "independent"
+  elbo = bcfg.logp == "elbo"
+  independent = bcfg.selection_chains == "independent" or elbo  # token ELBO draws no scored chain to select from
   only_decoded = bcfg.loss_tokens == "decoded"  # score the decoded tokens' own chains only: P = K positions
 
-  def elbo_terms(i, canvas, visible, pos, x0, j, k_i):
-    """x_t = q(x_0, j, eps) at the k noise levels ``j``; the behaviour policy's and the reference's eps
-    predictions there (guided as the loss scores them). Fields: x_t, x_prev = eps (the target), old_logp =
-    -1/2 sum_c (eps_hat - eps)^2, ref_mean = the reference's eps_hat."""
-    eps = jax.random.normal(rng.stream(k_i, "elbo"), j.shape + x0.shape)
-    jj = jnp.broadcast_to(j[:, None, None], j.shape + x0.shape[:2])
-    x_t = gaussian.q_sample(diff, x0[None], jj, eps)
-    t = jnp.asarray(diff.timesteps, jnp.int32)[jj]
+  def elbo_terms(i, canvas, visible, pos, x0, j, k_i, idx):
+    """Forward-process draws of the final tokens ``x0`` (B, P, C) at the ``k`` noise levels ``j``:
+    ``x_t = q(x_0, j, eps)``, ``x_prev = eps`` (the target), ``old_logp = -1/2 sum_c (eps_hat - eps)^2`` under the
+    behaviour policy (guided as the loss scores it), ``ref_mean`` the reference's ``eps_hat``; and q-MTE, ``S``
+    further draws on the uncertain tokens ``idx`` (B, K) of P: ``mte_x_t`` (S, k, B, K, C) and the rest alike."""
     scale = rec.cfg[i] if lcfg.cfg_in_loss else None
 
-    def eps_hat(m):
-      zc = jnp.take_along_axis(m.backbone(canvas, ~visible, m.condition(ids)), pos[..., None], axis=1)
-      zu = jnp.take_along_axis(m.backbone(canvas, ~visible, m.null_condition(b)), pos[..., None],
-                               axis=1) if lcfg.cfg_in_loss else None
+    def noised(x0, eps):  # (k, B, N, C)
+      jb = jnp.broadcast_to(j[:, None, None], j.shape + x0.shape[:2])
+      return gaussian.q_sample(diff, x0[None], jb, eps), jnp.asarray(diff.timesteps, jnp.int32)[jb]
+
+    def latents(m):
+      at = lambda z: jnp.take_along_axis(z, pos[..., None], axis=1)
+      zu = at(m.backbone(canvas, ~visible, m.null_condition(b))) if lcfg.cfg_in_loss else None
+      return at(m.backbone(canvas, ~visible, m.condition(ids))), zu
+
+    def eps_hat(m, zc, zu, x_t, t):
       bk = lambda z: None if z is None else jnp.broadcast_to(z, j.shape + z.shape)
       return gaussian.split_output(sampler_lib.head_output(m, x_t, t, bk(zc), bk(zu), scale))[0]
 
-    old = -0.5 * jnp.sum((eps_hat(model) - eps) ** 2, axis=-1)
-    ref = eps_hat(ref_model) if lcfg.beta else jnp.zeros_like(x_t)
-    return dict(j=j, x_t=x_t, x_prev=eps, old_logp=old, ref_mean=ref, ref_std=jnp.ones_like(x_t))
+    eps = jax.random.normal(rng.stream(k_i, "elbo"), j.shape + x0.shape)
+    x_t, t = noised(x0, eps)
+    zc, zu = latents(model)
+    logp = lambda e_hat, e: -0.5 * jnp.sum((e_hat - e) ** 2, axis=-1)
+    ref = eps_hat(ref_model, *latents(ref_model), x_t, t) if lcfg.beta else jnp.zeros_like(x_t)
+    take = lambda a: None if a is None else jnp.take_along_axis(a, idx[..., None], axis=1)
+    x0_u, zc_u, zu_u = take(x0), take(zc), take(zu)
+    eps_s = jax.random.normal(rng.stream(k_i, "q_mte"), (bcfg.mte_seeds,) + j.shape + x0_u.shape)
+    xt_s, t_s = jax.vmap(lambda e: noised(x0_u, e))(eps_s)
+    old_s = jax.vmap(lambda xt, tt, e: logp(eps_hat(model, zc_u, zu_u, xt, tt), e))(xt_s, t_s, eps_s)
+    return dict(j=j, x_t=x_t, x_prev=eps, old_logp=logp(eps_hat(model, zc, zu, x_t, t), eps), ref_mean=ref,
+                ref_std=jnp.ones_like(x_t), mte_x_t=xt_s, mte_x_prev=eps_s, mte_old_logp=old_s)
 
   def one_step(i, k_i):
     n_sel = (diffusion_positions(bcfg, t_count, rng.stream(k_i, "diff_steps")) if bcfg.diffusion_per_ar_step
@@ -197,6 +207,7 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       xs, logp = rec.xs[i], rec.logp[i]
     else:
       pos, valid = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len)), jnp.ones((b, seq_len), bool)
+    if not only_decoded and not elbo:  # token ELBO scores the final values: no tentative chain is drawn
       xs, logp = chain("tentative")
       act = lambda full, part: full.at[:, rows, rec.positions[i]].set(
           jnp.where(rec.valid[i][(None, ...) + (None,) * (part.ndim - 3)], part, full[:, rows, rec.positions[i]]))
@@ -227,8 +238,11 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
         zm_c, zm_u, mte_scale = commit_z, commit_z_u, jnp.float32(scfg.cfg_scale)
       seeds = lambda name: jax.vmap(lambda kk: _chain(model, diff, scfg, zm_c, zm_u, mte_scale, kk))(
           jax.random.split(rng.stream(k_i, name), bcfg.mte_seeds))
-      mte_xs, mte_logp = seeds("mte")
-      spread = seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1]  # (S, B, L, C) final samples
+      if elbo:  # U from model chains drawn for the ranking only; the scored draws are the forward process's
+        spread = seeds("mte_select")[0][:, -1]
+      else:
+        mte_xs, mte_logp = seeds("mte")
+        spread = seeds("mte_select")[0][:, -1] if independent else mte_xs[:, -1]  # (S, B, L, C) final samples
       if bcfg.uncertainty_unit == "pixel":  # U over the L p^2 latent pixels; every token keeps its MTE chains
         per_pix = bcfg.pixel_channels or spread.shape[-1]
         u_px = jnp.take_along_axis(selection.pixel_uncertainty(spread, per_pix), pos[..., None], axis=1)
@@ -252,21 +266,24 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
           idx = selection.topk_indices(u, bcfg.topk_fraction)
           unc = selection.indices_to_mask(idx, u.shape[-1])
         elems = jnp.zeros(idx.shape + (0,), bool)
-      idx_l = jnp.take_along_axis(pos, idx, axis=1)
-      take = lambda a: jnp.take_along_axis(a, idx_l.reshape((1, 1) + idx_l.shape + (1,) * (a.ndim - 4)), axis=3)
-      mte_xs, mte_logp = take(mte_xs), take(mte_logp)
+      if not elbo:
+        idx_l = jnp.take_along_axis(pos, idx, axis=1)
+        take = lambda a: jnp.take_along_axis(a, idx_l.reshape((1, 1) + idx_l.shape + (1,) * (a.ndim - 4)), axis=3)
+        mte_xs, mte_logp = take(mte_xs), take(mte_logp)
     else:
       idx = jnp.zeros((b, 0), jnp.int32)
-      mte_xs = jnp.zeros((0,) + xs.shape[:2] + (0,) + xs.shape[3:])
-      mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
+      if not elbo:
+        mte_xs = jnp.zeros((0,) + xs.shape[:2] + (0,) + xs.shape[3:])
+        mte_logp = jnp.zeros((0,) + logp.shape[:2] + (0,))
       u = jnp.zeros(pos.shape)
       unc = jnp.zeros(pos.shape, bool)
       elems = jnp.zeros((b, 0, 0), bool)
     common = dict(canvas=canvas, visible=visible, positions=pos, region=region, keep=keep, decoded=decoded_p,
-                  uncertain=unc, uncertain_idx=idx, uncertain_elems=elems, cfg=rec.cfg[i], u=u,
-                  mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel])
-    if bcfg.logp == "elbo":  # denoising terms of the final tokens at the chosen noise levels (j = T - 1 - n)
-      return dict(common, **elbo_terms(i, canvas, visible, pos, xs[-1], t_count - 1 - n_sel, k_i))
+                  uncertain=unc, uncertain_idx=idx, uncertain_elems=elems, cfg=rec.cfg[i], u=u)
+    if elbo:  # denoising terms of the final tokens at the chosen noise levels (j = T - 1 - n), q-MTE on U
+      x0 = jnp.take_along_axis(final, pos[..., None], axis=1)  # each scored token's committed value
+      return dict(common, **elbo_terms(i, canvas, visible, pos, x0, t_count - 1 - n_sel, k_i, idx))
+    common.update(mte_x_t=mte_xs[:, n_sel], mte_x_prev=mte_xs[:, n_sel + 1], mte_old_logp=mte_logp[:, n_sel])
     # Reference transitions at the chosen diffusion steps (not computed without a KL term: beta = 0).
     x_t, x_prev = xs[n_sel], xs[n_sel + 1]
     if lcfg.beta:

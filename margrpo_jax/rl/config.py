@@ -14,7 +14,8 @@ from margrpo_jax import config_files
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import batch as batch_lib, loss as loss_lib, step as step_lib
+from margrpo_jax.rl import batch as batch_lib, estimators, loss as loss_lib, step as step_lib
+from margrpo_jax.rl.estimators import forward as forward_lib
 from margrpo_jax.sampling import sampler as sampler_lib, schedule as schedule_lib
 
 
@@ -32,17 +33,19 @@ def parse_window(window: str) -> tuple[int, int | None]:
 
 LOSS_OPTIONS = dict(fidelity=("intended", "official"), ratio=("rollout", "none"), kl=("gaussian", "official"),
                     channel_reduction=("sum", "mean"), advantage=("grpo", "drgrpo", "rloo"),
-                    mte_actual=("keep", "include", "replace"), reward_norm=registry.NORMALIZE)
+                    mte_actual=("keep", "include", "replace"), reward_norm=registry.NORMALIZE,
+                    estimator=estimators.NAMES, anchor=forward_lib.ANCHORS)
 
 # rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14)
 OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,
                 topk_scope="all", selection_chains="scored", clip_eps=0.0, ratio="none", kl="official",
                 cfg_in_loss=False, sigma_grad=False, mte_actual="replace", sequential_updates=True)
 # ... and where the official NOVA code differs from the official Harmon code (docs/algorithm.md section 13, B6):
-# its MTE duplicates the commit-time cond latent into the uncond slot (unguided) and it averages over channels
+# it trains with the pre-step mask (visibility = known before step i, the loss region includes the tokens decoded
+# at i: B1 is Harmon's alone); its MTE duplicates the commit-time cond latent into the uncond slot (unguided) and it averages over channels
 # and draws the scored diffusion steps per AR step and casts its log-probs to bfloat16; its uncertainty top-k ranks
 # latent pixels (a quarter token) and adds one random pixel (A3, C3)
-OFFICIAL_NOVA = dict(OFFICIAL, mte_commit_guided=False, channel_reduction="mean", diffusion_per_ar_step=True,
+OFFICIAL_NOVA = dict(OFFICIAL, mask_after_step=False, mte_commit_guided=False, channel_reduction="mean", diffusion_per_ar_step=True,
                      logp_bf16=True, uncertainty_unit="pixel", topk_random=1)
 
 
@@ -53,11 +56,18 @@ def head_kind(config, model_cfg=None) -> str:
 
 
 def resolve_fidelity(config) -> list[str]:
-  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` (in place); returns the
-  ``key=value`` assignments that changed something."""
+  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` (in place), except the switches
+  named in ``rl.official_except`` (comma-separated; they keep their configured value); returns the ``key=value``
+  assignments that changed something."""
   if config.rl.fidelity != "official":
     return []
-  official = OFFICIAL_NOVA if head_kind(config) == "flow" else OFFICIAL
+  official = dict(OFFICIAL_NOVA if head_kind(config) == "flow" else OFFICIAL)
+  keep = [k.strip() for k in str(config.rl.get("official_except", "")).split(",") if k.strip()]
+  for k in keep:
+    if k not in official:
+      raise config_files.ConfigError(f"rl.official_except names {k!r}, not a switch of rl.fidelity='official' "
+                                     f"(switches: {', '.join(official)})")
+    del official[k]
   changed = [f"rl.{k}={v!r}" for k, v in official.items() if config.rl[k] != v]
   config.rl.update(official)
   return changed
@@ -88,6 +98,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                    f"of sampling.num_steps={config.sampling.num_steps} (0 = every AR step)")
   num_ar = rl.num_ar_steps or ar_steps
   is_flow = head_kind(config, model_cfg) == "flow"
+  est = estimators.get(rl.estimator)
+  est_logp = getattr(est, "BATCH_LOGP", "chain")
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
@@ -101,19 +113,19 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                mask_after_step=rl.mask_after_step, mte_latent=rl.mte_latent,
                                mte_commit_guided=rl.mte_commit_guided, topk_scope=rl.topk_scope,
                                selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens,
-                               logp=rl.logp, diffusion_per_ar_step=bool(rl.diffusion_per_ar_step),
+                               logp=est_logp, diffusion_per_ar_step=bool(rl.diffusion_per_ar_step),
                                uncertainty_unit=rl.uncertainty_unit,
                                topk_random=int(rl.topk_random))
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=rl.ratio, kl=rl.kl,
                              channel_reduction=rl.channel_reduction, cfg_in_loss=rl.cfg_in_loss,
                              temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
                              remat=rl.remat, sigma_grad=rl.sigma_grad, mte_actual=rl.mte_actual,
-                             logp=rl.logp, logp_bf16=bool(rl.logp_bf16))
+                             logp=est_logp, logp_bf16=bool(rl.logp_bf16))
   steps = (int(config.sampling.diffusion_steps) if is_flow else
            gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps)
-  if is_flow and rl.logp != "chain":
-    raise config_files.ConfigError(f"rl.logp={rl.logp!r} is the Gaussian head's denoising ELBO: a flow head (NOVA) "
-                                   "is scored on its recorded SDE transitions (rl.logp='chain')")
+  if is_flow and rl.estimator != "chain":
+    raise config_files.ConfigError(f"rl.estimator={rl.estimator!r} scores the Gaussian head's denoising ELBO: a flow "
+                                   "head (NOVA) is scored on its recorded SDE transitions (rl.estimator='chain')")
   noise = float(rl.get("flow_noise_level", 0.7))
   if is_flow and not 0.0 < noise <= 1.0:
     raise config_files.ConfigError(f"rl.flow_noise_level={noise} must lie in (0, 1]: the rollouts need a "
@@ -126,19 +138,29 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     raise config_files.ConfigError("rl.uncertainty_unit='pixel' mixes the MTE estimate per latent pixel inside a "
                                    "token, exact only for the official linear surrogate: set rl.ratio='none' (the "
                                    "rollout log-probs are kept per token)")
-  if rl.logp == "mar" and (rl.sequential_updates or rl.train_head):
-    raise config_files.ConfigError("rl.logp='mar' scores whole images with MAR's training loss: it has no AR steps "
-                                   "to update in turn (rl.sequential_updates) and trains the AR side only "
-                                   "(rl.train_head)")
+  if not est.READS_CHAINS and (rl.sequential_updates or rl.train_head):
+    raise config_files.ConfigError(f"rl.estimator={rl.estimator!r} scores whole images with MAR's training loss: it "
+                                   "has no AR steps to update in turn (rl.sequential_updates) and trains the AR side "
+                                   "only (rl.train_head)")
+  if rl.estimator == "awm" and not rl.beta:
+    raise config_files.ConfigError("rl.estimator='awm' needs its anchor: set rl.beta > 0 (without it the negative "
+                                   "half raises the denoising loss of typical samples without limit)")
+  if rl.anchor == "ema" and not rl.ema_decay and rl.estimator in ("awm", "nft"):
+    raise config_files.ConfigError(f"rl.anchor='ema' holds {rl.estimator} to the policy's EMA: set rl.ema_decay > 0")
+  if not 0.0 < rl.nft_strength <= 1.0:
+    raise config_files.ConfigError(f"rl.nft_strength={rl.nft_strength} must lie in (0, 1]")
   if not 0.0 <= rl.ema_decay < 1.0:
     raise config_files.ConfigError(f"rl.ema_decay={rl.ema_decay} must lie in [0, 1) (0 = no EMA)")
   try:
     masked = objective.MaskedObjective.from_config(rl.mar_objective)
     objective.validate(masked)
   except ValueError as e:
-    raise config_files.ConfigError(str(e)) from None
+    raise config_files.ConfigError(f"rl.mar_objective: {e}") from None
+  fcfg = forward_lib.ForwardConfig(objective=masked, beta=float(rl.beta), anchor=rl.anchor,
+                                   nft_strength=float(rl.nft_strength))
   sc = step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
-                           num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates, masked=masked,
+                           num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates,
+                           estimator=rl.estimator, forward=fcfg,
                            ema_decay=float(rl.ema_decay), respacing=str(config.sampling.diffusion_steps),
                            optim=config.optim.to_json(sort_keys=True),
                            total_steps=config.num_iters * rl.num_inner * rl.num_minibatches,

@@ -53,6 +53,7 @@ class LossConfig:
   mte_actual: str = "keep"          # a decoded token in U: 'keep' its own chain's estimate | 'include' it in the
                                     # MTE average | 'replace' it by the MTE mean (official)
   logp: str = "chain"               # 'chain': recorded transitions | 'elbo': denoising terms of the final tokens
+                                    # (and q-MTE: forward-process draws of the uncertain ones)
   logp_bf16: bool = False           # round the per-token log-probs through bfloat16 (official NOVA's cast)
 
 
@@ -125,22 +126,20 @@ def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
   reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
 
   def score(xt, xp, zc, zu):  # (k, B, N, C) transitions under latents (B, N, D) -> per-element logp, mean, std
-    n = diff.num_steps - 1 - jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
+    jj = jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
     bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
-    _, mean, std = transition_logp(model, diff, xt, xp, n, bk(zc), bk(zu), scale, cfg.temperature,
-                                   cfg.clip_denoised)
+    if cfg.logp == "elbo":  # x_t noised final tokens, x_prev their noise: l = -1/2 |eps_hat - eps|^2 per level
+      t = jnp.asarray(diff.timesteps, jnp.int32)[jj]
+      eps = gaussian.split_output(head_output(model, xt, t, bk(zc), bk(zu), scale))[0]
+      return -0.5 * (eps - xp) ** 2, eps, jnp.ones_like(eps)
+    _, mean, std = transition_logp(model, diff, xt, xp, diff.num_steps - 1 - jj, bk(zc), bk(zu), scale,
+                                   cfg.temperature, cfg.clip_denoised)
     std = std if cfg.sigma_grad else jax.lax.stop_gradient(std)
     return flow.transition_logprob(xp, mean, std), mean, std
 
   c = batch.x_t.shape[-1]
   old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
-  if cfg.logp == "elbo":  # x_t noised final tokens, x_prev their noise: l = -1/2 |eps_hat - eps|^2 per level
-    t = jnp.asarray(diff.timesteps, jnp.int32)[jnp.broadcast_to(batch.j[i][:, None, None], batch.x_t[i].shape[:-1])]
-    bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
-    eps = gaussian.split_output(head_output(model, batch.x_t[i], t, bk(z_c), bk(z_u), scale))[0]
-    lp, mean, std = -0.5 * (eps - batch.x_prev[i]) ** 2, eps, batch.ref_std[i]
-  else:
-    lp, mean, std = score(batch.x_t[i], batch.x_prev[i], z_c, z_u)
+  lp, mean, std = score(batch.x_t[i], batch.x_prev[i], z_c, z_u)
   if cfg.logp_bf16:
     reduce = (lambda r: lambda e: r(e).astype(jnp.bfloat16).astype(jnp.float32))(reduce)
   logp = reduce(lp)
@@ -162,7 +161,9 @@ def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
       own, mte, mine = q[:, rows, idx], q_s.mean(0), at_u(batch.uncertain[i])  # (k, B, K)
       extra = (own + q_s.sum(0)) / (q_s.shape[0] + 1)
     dec = at_u(batch.decoded[i])[(...,) + (None,) * per_elem]
-    if cfg.mte_actual == "keep":
+    if cfg.logp == "elbo":  # q-MTE: the main draw and the S others are draws of one token's forward process
+      mte = extra
+    elif cfg.mte_actual == "keep":
       mte = jnp.where(dec, own, mte)
     elif cfg.mte_actual == "include":
       mte = jnp.where(dec, extra, mte)

@@ -8,13 +8,13 @@ r"""One MAR-GRPO update as a pure, jitted function of explicit state (the RL job
    row blocks of ``B / num_minibatches`` images (PPO epochs and minibatches; the ratio is 1 at the first one), or,
    with ``sequential``, one optimizer step per scored AR step (the official DeepSpeed loop, docs/algorithm.md B8).
 
-With ``rl.logp='mar'`` an image's log-likelihood is instead MAR's own training ELBO of its final tokens
-(``models/objective.py``; ``final`` then holds the tokenizer's re-encoding of the decoded images), and
-:func:`mar_update` replaces both halves: no recorded chains are scored,
+That is the ``chain`` and ``token_elbo`` estimators (``rl/estimators/``). The forward-process estimators
+(``image_elbo``, ``awm``, ``nft``) score no recorded chain: :func:`forward_update` replaces both halves with
+their loss on the image's final tokens (``final`` then holds the tokenizer's re-encoding of the decoded images),
+e.g. for ``image_elbo``
 
-    loss = mean_i A_i l_i + beta mean_i kappa_i,   l_i = L_MAR(x_i | c_i) ~ -log p(x_i | c_i) + const,
+    loss = mean_i A_i l_i,   l_i = L_MAR(x_i | c_i) ~ -log p(x_i | c_i) + const   (models/objective.py).
 
-``kappa_i`` the denoisers' squared distance to the reference at the same draws (docs/rl_signal.md).
 With ``ema_decay`` the state also carries ``ema = d ema + (1 - d) policy`` after every update (what is
 exported and evaluated).
 
@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 
+import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -35,9 +36,9 @@ from flax import nnx
 
 from margrpo_jax import optim
 from margrpo_jax.diffusion import flow, gaussian
-from margrpo_jax.models import objective
 from margrpo_jax.parallel import sharding
-from margrpo_jax.rl import batch as batch_lib, loss as loss_lib
+from margrpo_jax.rl import batch as batch_lib, estimators, loss as loss_lib
+from margrpo_jax.rl.estimators import forward as forward_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 
@@ -50,7 +51,8 @@ class StepConfig:
   num_inner: int = 1           # passes over each rollout's batch (PPO epochs)
   num_minibatches: int = 1     # optimizer steps per pass, on consecutive blocks of B / num_minibatches rows
   sequential: bool = False     # official: one optimizer step per scored AR step instead (B8)
-  masked: objective.MaskedObjective = objective.MaskedObjective()  # rl.logp='mar': the ELBO's draws
+  estimator: str = "chain"     # rl.estimator (rl/estimators/): chain, token_elbo, image_elbo, awm, nft
+  forward: forward_lib.ForwardConfig = forward_lib.ForwardConfig()  # the forward-process estimators' settings
   ema_decay: float = 0.0       # > 0: an EMA of the policy in the state (exported and evaluated)
   respacing: str = "25"        # the rollout's diffusion steps (a respacing of num_train_steps)
   optim: str = "{}"            # config.optim as JSON (hashable)
@@ -60,6 +62,11 @@ class StepConfig:
   ids_ndim: int = 2            # condition rank: 1 for class labels, 2 for token ids
   flow: tuple[float, float] | None = None  # a flow head (NOVA): (rollout SDE noise level, sigma shift); None:
                                            # the Gaussian head's diffusion
+
+  @property
+  def reads_chains(self) -> bool:
+    """Whether the estimator scores the recorded chains (the rollout then records them)."""
+    return estimators.get(self.estimator).READS_CHAINS
 
 
 def make_chain(sc: StepConfig):
@@ -85,7 +92,7 @@ def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.Tr
     (loss, m), grads = jax.value_and_grad(objective, has_aux=True)(state["policy"])
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
-    return dict(step=state["step"], policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
+    return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
 
   mean = lambda ms: jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *ms)
   if sc.sequential:  # Python loop: each step scores a different AR step
@@ -104,27 +111,38 @@ def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.Tr
   return dict(state, step=state["step"] + 1), jax.tree.map(jnp.mean, ms)
 
 
-def mar_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref, ids, adv, tokens, key):
-  """``rl.logp='mar'``: ``num_inner`` passes of ``num_minibatches`` optimizer steps on
-  ``mean_i A_i l_i + beta mean_i kappa_i`` (module docstring) over row blocks of ``(ids, adv, tokens)``; each
-  step draws its own orders, masks and noise levels from ``key``."""
+@flax.struct.dataclass
+class Block:
+  """The rows an optimizer step of a forward-process estimator sees: prompts, advantages, scored tokens."""
+  ids: jax.Array
+  adv: jax.Array
+  tokens: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What an estimator's loss reads besides the parameters: the model's structure, the frozen parts, and the
+  models it may be held to (``anchors``: 'ref' the frozen reference, 'rollout' the policy that sampled the batch,
+  'ema' the policy's EMA when the state has one)."""
+  graphdef: object
+  sc: "StepConfig"
+  train_diff: object
+  frozen: dict
+  anchors: dict
+
+
+def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref, ids, adv, tokens, key):
+  """A forward-process estimator (``sc.estimator``: image_elbo, awm, nft): ``num_inner`` passes of
+  ``num_minibatches`` optimizer steps over row blocks of ``(ids, adv, tokens)``; step ``u`` draws its own
+  orders, masks and noise levels from ``fold_in(key, u)``."""
+  est = estimators.get(sc.estimator)
   rows = adv.shape[0] // sc.num_minibatches
-  beta = sc.loss.beta
+  anchors = dict(ref=ref, rollout=jax.lax.stop_gradient(state["policy"]))
 
   def one(state, u):
     block = lambda x: jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows)
-    ids_u, adv_u, tok_u = block(ids), block(adv), block(tokens)
-
-    def objective_fn(p):
-      model = nnx.merge(graphdef, {**frozen, **p})
-      ref_model = nnx.merge(graphdef, {**frozen, **ref}) if beta else None
-      loss, mask, kl = objective.per_token(model, train_diff, sc.masked, ids_u, tok_u, jax.random.fold_in(key, u),
-                                           ref_model)
-      l_i = objective.per_image(loss, mask)
-      kl_i = objective.per_image(kl, mask) if beta else jnp.zeros_like(l_i)
-      policy = -jnp.mean(adv_u * l_i)
-      return -(policy - beta * jnp.mean(kl_i)), dict(policy=policy, kl=jnp.mean(kl_i), mar_loss=jnp.mean(l_i))
-
+    ctx = Context(graphdef, sc, train_diff, frozen, dict(anchors, **({"ema": state["ema"]} if "ema" in state else {})))
+    objective_fn = lambda p: est.loss(ctx, p, Block(block(ids), block(adv), block(tokens)), jax.random.fold_in(key, u))
     (loss, m), grads = jax.value_and_grad(objective_fn, has_aux=True)(state["policy"])
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
@@ -135,10 +153,13 @@ def mar_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref, ids
 
 
 def rl_step(graphdef, tx, diff, sc: StepConfig, state, frozen, ref, ids, adv, rec, final, key, train_diff=None):
-  """:func:`build_batch` then :func:`update` (or :func:`mar_update` on ``train_diff``, the unrespaced
-  diffusion), plus the selection statistics and the policy's EMA. ``frozen`` / ``ref`` are never updated."""
-  if sc.batch.logp == "mar":
-    state, out = mar_update(graphdef, tx, train_diff, sc, state, frozen, ref, ids, adv, final, key)
+  """One update with the estimator ``sc.estimator``: the chain estimators (chain, token_elbo) build their
+  batch from the recorded rollout ``rec`` (:func:`build_batch`) and run :func:`update`; the forward-process ones
+  (:func:`forward_update` on ``train_diff``, the unrespaced diffusion) read ``final`` (the tokenizer's
+  re-encoding of the images) and no record (``rec`` is None). Then the policy's EMA and the selection
+  statistics. ``frozen`` / ``ref`` are never updated."""
+  if not estimators.get(sc.estimator).READS_CHAINS:
+    state, out = forward_update(graphdef, tx, train_diff, sc, state, frozen, ref, ids, adv, final, key)
     return _ema(sc, state), dict(out, clip_frac=jnp.zeros(()), logp_diff=jnp.zeros(()),
                                  tokens=jnp.float32(final.shape[0] * final.shape[1]))
   batch, info = build_batch(graphdef, diff, sc, state["policy"], frozen, ref, ids, adv, rec, final, key)
@@ -159,9 +180,11 @@ def _ema(sc: StepConfig, state):
   return dict(state, ema=jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, state["ema"], state["policy"]))
 
 
-def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2, ema: bool = False) -> dict:
+def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2, ema: bool = False,
+                   records: bool = True) -> dict:
   """``in_shardings`` / ``out_shardings`` of :func:`rl_step` on ``mesh``: policy, reference and optimizer
-  state sharded by ``rules``, the frozen parts by theirs (the head replicated), batches over the batch axes."""
+  state sharded by ``rules``, the frozen parts by theirs (the head replicated), batches over the batch axes;
+  ``records``: the step reads a rollout record (else that argument is None)."""
   p = sharding.param_shardings(mesh, policy, rules)
   rep = sharding.replicated(mesh)
   state = dict(step=rep, policy=p, opt=sharding.opt_shardings(mesh, tx, policy, p))
@@ -169,7 +192,7 @@ def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2, ema: bool
     state["ema"] = p
   b = functools.partial(sharding.batch_sharding, mesh)
   ins = (state, sharding.param_shardings(mesh, frozen, rules), p, b(ids_ndim), b(1),
-         sampler_lib.Record.shardings(mesh), b(3), rep)
+         sampler_lib.Record.shardings(mesh) if records else None, b(3), rep)
   return dict(in_shardings=ins, out_shardings=(state, rep))
 
 
@@ -185,4 +208,4 @@ def compiled_step(graphdef, sc: StepConfig, mesh=None, rules=None, sigs=None):
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)
   return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim,
-                                                            ema=bool(sc.ema_decay)))
+                                                            ema=bool(sc.ema_decay), records=sc.reads_chains))

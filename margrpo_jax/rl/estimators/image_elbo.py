@@ -1,0 +1,34 @@
+r"""``image_elbo``: the whole image's log-likelihood as MAR's own training ELBO of its re-encoding, weighted by
+the advantages (RWR / RAFT / ReST-EM when ``rl.positive_only``: filtered fine-tuning on each group's better
+images).
+
+    loss(theta) = mean_i A_i l_i(theta) + beta mean_i kappa_i(theta)
+    grad        = mean_i A_i grad l_i  ~  -mean_i A_i grad log p_theta(x_i | c_i)      (forward.py)
+
+``kappa_i`` = ``1/2 mean (eps_theta - eps_ref)^2`` over the same draws: the denoisers' distance to the frozen
+reference (0 with ``beta = 0``, the main job). No recorded chain is read; the rollout runs without records.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.rl.estimators import forward
+
+NAME = "image_elbo"
+READS_CHAINS = False
+REENCODES = True
+
+
+def loss(ctx, params, block, key):
+  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws of ``key``."""
+  fc = ctx.sc.forward
+  d = forward.draw(fc.objective, ctx.train_diff, block.tokens, key)
+  out = forward.head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens, d)
+  l_i = forward.per_image(gaussian.training_loss(ctx.train_diff, out, block.tokens, d.x_t, d.t, d.noise), d)
+  policy = -jnp.mean(block.adv * l_i)
+  kl = jnp.zeros(())
+  if fc.beta:
+    ref = forward.eps_of(ctx.graphdef, {**ctx.frozen, **ctx.anchors["ref"]}, block.ids, block.tokens, d)
+    kl = jnp.mean(forward.per_image(0.5 * jnp.mean((gaussian.split_output(out)[0] - ref) ** 2, -1), d))
+  return -(policy - fc.beta * kl), dict(policy=policy, kl=kl, mar_loss=jnp.mean(l_i))

@@ -1,6 +1,6 @@
 r"""Signal-to-noise of the MAR-GRPO policy gradient on the shapes world, overall and per diffusion step.
 
-python benchmarks/grad_snr.py [--variant=margrpo|focused|...] [--reward=shapes_partial|brightness|...]
+python benchmarks/grad_snr.py [--variant=margrpo|paper|focused|token_elbo|image_elbo|awm|nft] [--reward=shapes_partial|brightness|...]
     [--prompts=16] [--group_size=8] [--parts=4] [--keys=2] [--set rl.num_ar_steps=4 --set optim.lr=1e-4 ...]
 
 One rollout of the base policy (``prompts x group_size`` images), rewards, group advantages; the images are cut
@@ -10,7 +10,10 @@ tentative chains). If the expected gradient ``mu`` shows above the per-part nois
 ``cos(g_q, g_r) ~ |mu|^2 / (|mu|^2 + sigma^2 / n)`` > 0 for q != r. The control permutes the advantages inside
 each group (no reward information): its cosine is the level that shared structure gives without signal.
 
-Per diffusion step: the same parts scored at one list position n at a time (every position of the chain, the
+A forward-process estimator (image_elbo, awm, nft: no recorded chains) gets the overall cosines only, its loss on
+each part's re-encoded images with ``keys`` draws of masks and noise levels.
+
+Per diffusion step (chain estimators): the same parts scored at one list position n at a time (every position of the chain, the
 window ignored), with the share of the squared gradient norm each step holds, the mean step std sigma over the
 loss region and the cosine of real and shuffled advantages. Prints both tables and, last, one JSON line.
 """
@@ -31,9 +34,11 @@ from flax import nnx  # noqa: E402
 
 from margrpo_jax import config_files  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
+from margrpo_jax.diffusion import gaussian  # noqa: E402
 from margrpo_jax.rewards import registry  # noqa: E402
 from margrpo_jax.jobs import rl as rl_job  # noqa: E402
-from margrpo_jax.rl import advantages, loss as loss_lib, prompts as rl_prompts, step as step_lib  # noqa: E402
+from margrpo_jax.rl import advantages, estimators, loss as loss_lib, prompts as rl_prompts  # noqa: E402
+from margrpo_jax.rl import config as rl_config, step as step_lib  # noqa: E402
 from margrpo_jax.sampling.sampler import Record  # noqa: E402
 
 K_AXIS = dict(j=1, x_t=1, x_prev=1, old_logp=1, ref_mean=1, ref_std=1, mte_x_t=2, mte_x_prev=2, mte_old_logp=2)
@@ -70,14 +75,13 @@ def main():
   config.rl.update(group_size=args.group_size, prompts_per_iter=args.prompts)
   for a in args.set:
     config_files.override(config, a)
-  if config.rl.logp == "mar":
-    raise SystemExit("grad_snr measures the chain-scored estimators (rl.logp='chain' or 'elbo'); "
-                     f"--variant={args.variant} scores whole images with rl.logp='mar'")
+  rl_config.resolve_fidelity(config)  # e.g. the paper preset: the official switches
   s = rl_job.setup(config)
   t0 = time.time()
   ro = rl_job.rollout(config, s, s.policy, rl_prompts.from_metadata(shapes.split_records("train", num_train=2000)), 0)
   n_img, g = args.prompts * args.group_size, args.group_size
   adv = np.asarray(advantages.group_advantages(ro["reward"], g, config.rl.advantage))
+  weights = lambda a: np.asarray(advantages.shape_weights(a, config.rl.positive_only, config.rl.adv_clip))
   print(f"rollout: {n_img} images in {time.time() - t0:.0f} s, mean {args.reward} {float(np.mean(ro['reward'])):.3f}"
         f" ({args.variant}, {' '.join(args.set) or 'defaults'})")
   sc = s.static
@@ -95,17 +99,36 @@ def main():
 
   n = n_img // args.parts
   shuffled = advantages.shuffle_in_groups(adv, g, args.seed)
+  out = dict(images=n_img, parts=args.parts, keys=args.keys, reward=args.reward, variant=args.variant,
+             estimator=config.rl.estimator, overrides=args.set)
+  if not estimators.get(config.rl.estimator).READS_CHAINS:  # a forward-process estimator: parts of (ids, A, tokens)
+    tokens, est = rl_job.training_tokens(config, s, ro), estimators.get(config.rl.estimator)
+    anchors = dict(ref=s.ref, rollout=s.policy, ema=s.policy)
+    ctx = step_lib.Context(s.graphdef, sc, gaussian.make_diffusion(sc.num_train_steps), s.frozen, anchors)
+
+    @jax.jit
+    def fgrad(policy, ids, a, tok, key):
+      g = jax.grad(lambda p: est.loss(ctx, p, step_lib.Block(ids, a, tok), key)[0])(policy)
+      return jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])
+
+    cut = lambda x, q: x[q * n:(q + 1) * n]
+    for name, a in (("real", adv), ("shuffled", shuffled)):
+      a = jnp.asarray(weights(a))
+      gs = [sum(fgrad(s.policy, cut(ro["ids"], q), cut(a, q), cut(tokens, q), jax.random.key(1000 * q + r))
+                for r in range(args.keys)) for q in range(args.parts)]
+      out[f"cos_{name}"], out[f"cos_{name}_se"] = cosines(gs)
+      print(f"{name:8s} advantages: mean pairwise cosine {out[f'cos_{name}']:+.4f} +- {out[f'cos_{name}_se']:.4f}")
+    print(json.dumps(out))
+    return
   def part(q):  # the record rows of part q
     cut = lambda a, ax: a if ax is None else jax.lax.slice_in_dim(a, q * n, (q + 1) * n, axis=ax)
     return Record(**{f: cut(getattr(ro["rec"], f), ax) for f, (_, ax) in Record.LAYOUT.items()})
 
   def part_batch(build, q, a, key):
     cut = lambda x: jax.lax.slice_in_dim(x, q * n, (q + 1) * n, axis=0)
-    return build(s.policy, s.frozen, s.ref, cut(ro["ids"]), jnp.asarray(a[q * n:(q + 1) * n]), part(q),
+    return build(s.policy, s.frozen, s.ref, cut(ro["ids"]), jnp.asarray(weights(a)[q * n:(q + 1) * n]), part(q),
                  cut(ro["final"]), key)[0]
 
-  out = dict(images=n_img, parts=args.parts, keys=args.keys, reward=args.reward, variant=args.variant,
-             overrides=args.set)
   build = builder(bcfg)
   for name, a in (("real", adv), ("shuffled", shuffled)):
     gs = [sum(grad(s.policy, part_batch(build, q, a, jax.random.key(1000 * q + r))) for r in range(args.keys))

@@ -1,21 +1,27 @@
 """MAR-GRPO fine-tuning of the shipped shapes-world base (``config.mode = 'rl'``).
 
 python -m margrpo_jax.main --config=configs/shapes_rl.py[:VARIANT][,smoke] --workdir=runs/rl
-The default is ``mar_elbo`` (the main job: the setting that raises strict pass, docs/rl_signal.md section 6).
-Variants (the ablation ladder of the paper):
+The default is ``image_elbo`` (the main job, chosen on the validation split in docs/estimators.md: reward-filtered
+fine-tuning on MAR's own training ELBO, not the paper's estimator).
+Variants (the ablation ladder of the paper, chain estimator, ``rl.fidelity='intended'``):
   grpo                  vanilla end-to-end GRPO: head trainable, one trajectory, no token selection
   frozen_head           + frozen diffusion head
   frozen_head_mte       + MTE on every token (S trajectories from the same AR latent)
   frozen_head_mte_topk  + MTE only on the top-k% uncertain tokens
   margrpo               + consistency-aware token selection (all stabilisers of the paper)
-and, beyond the paper:
+  paper                 MAR-GRPO as the official code computes it (``rl.fidelity='official'``, where MTE, top-k and
+                        consistency act) with only the diffusion-window fix, strict pass as the reward, the main
+                        job's budget (12,800 rollout images) and EMA export
+and, beyond the paper (each a named estimator of margrpo_jax/rl/estimators/, docs/estimators.md):
   focused               the policy term on the decoded tokens' own chains only (no MTE or consistency: the other
                         chains carry no reward signal), every step of the scored-step window, and common random
                         numbers inside a group (one generation order; diffusion noise varied only at the scored
                         AR steps). See docs/rl_signal.md.
-  mar_elbo              the image's log-likelihood as MAR's own training ELBO of the tokenizer's re-encoding of
-                        the decoded image (rl.logp='mar'), better-than-group images only (rl.positive_only), an
-                        EMA of the policy exported; strict pass as the reward, 200 iterations of 64 images.
+  token_elbo            each committed token's head ELBO under its AR step's latent, q-MTE on the top-k tokens
+  image_elbo            MAR's training ELBO of the tokenizer's re-encoding of the decoded image, better-than-group
+                        images only (RAFT / RWR), no label drop, EMA export; 200 iterations of 64 images
+  awm                   the same ELBO with signed advantages clipped to [-1, 1] and a KL anchor to the base
+  nft                   DiffusionNFT: implicit positive / negative denoisers around the rollout policy
 Estimator fixes on by default (each a switch; ``rl.fidelity='official'`` restores the official behaviour):
 ``rl.diffusion_window`` (no saturated first / near-deterministic last steps), ``rl.mte_actual='keep'`` (a decoded
 token keeps its own chain inside U), ``rl.topk_scope='region'``, ``rl.selection_chains='independent'``,
@@ -28,12 +34,15 @@ from margrpo_jax import config_files
 from margrpo_jax.parallel import mesh
 from margrpo_jax.rewards import registry
 
-VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo", "focused", "mar_elbo")
+VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo", "paper", "focused",
+            "token_elbo", "image_elbo", "awm", "nft")
+FORWARD = ("image_elbo", "awm", "nft")  # estimators on the re-encoded image (no recorded chains)
+MAIN = "image_elbo"  # the main job: the best estimator on the validation split (docs/estimators.md)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  parts = [a for a in (arg or "mar_elbo").split(",") if a]
-  variant = next((p for p in parts if p in VARIANTS), "mar_elbo")
+  parts = [a for a in (arg or MAIN).split(",") if a]
+  variant = next((p for p in parts if p in VARIANTS), MAIN)
   unknown = [p for p in parts if p not in VARIANTS + ("smoke",)]
   if unknown:
     raise ValueError(f"unknown config arg {unknown[0]!r} for shapes_rl (variants: {', '.join(VARIANTS)}; "
@@ -53,6 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampling = config_files.load("shapes_sample").sampling
   c.rl = dict(
       fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
+      official_except="",         # with 'official': switches kept at their value here (comma-separated)
       prompt_file="",             # train prompts: '' = the shapes world (class labels for MAR), or a JSONL / text
                                   # prompt file (rl/prompts.py)
       # Weights of every registered reward (0 = computed and logged, not optimised); set any from the command line.
@@ -71,12 +81,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       shared_order=False,         # the G images of a prompt share one generation order (variance reduction)
       shared_noise=False,         # ... and every diffusion noise except at the scored AR steps (implies shared_order)
       loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
-      logp="chain",               # a token's log-likelihood: 'chain' (its recorded transitions, the paper) | 'elbo'
-                                  # (the head's denoising ELBO of its final value) | 'mar' (the whole image's MAR
-                                  # training ELBO, models/objective.py; docs/rl_signal.md)
-      reencode=True,              # logp='mar': score the tokenizer's re-encoding of the decoded image (False: the
-                                  # sampled tokens, off the tokenizer's manifold)
-      mar_objective=dict(mask_ratio="cosine", diffusion_batch_mul=4, label_drop=0.1),  # logp='mar': its draws
+      estimator="chain",          # the image's log-likelihood (margrpo_jax/rl/estimators/): 'chain' (its recorded
+                                  # transitions, the paper) | 'token_elbo' (each committed token's head ELBO, q-MTE) |
+                                  # 'image_elbo' (MAR's training ELBO of the re-encoded image) | 'awm' | 'nft'
+      adv_clip=0.0,               # > 0: advantages clipped to [-adv_clip, adv_clip] (AWM: 1)
+      anchor="ref",               # awm / nft: the model the update is held to: 'ref' (the base) | 'ema' | 'rollout'
+      nft_strength=1.0,           # nft: eps_+- = eps_old +- s (eps_theta - eps_old), s in (0, 1]
+      mar_objective=dict(mask_ratio="cosine", diffusion_batch_mul=4, label_drop=0.1),  # image_elbo / awm / nft: the
+                                  # draws of MAR's training loss (label_drop: share of images scored unconditioned)
       ema_decay=0.0,              # > 0: export and evaluate an EMA of the policy (d ema + (1 - d) policy per update)
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
       ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
@@ -110,9 +122,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                 prompt_file="")  # eval prompts: '' = the shapes eval split, or those of rl.prompt_file
   c.save = dict(every=5, keep=3)  # train-state checkpoints (Orbax, async) every N iterations
   c.log_images_every = 10         # TensorBoard grid of the rollouts every N iterations
-  if variant != "margrpo":
+  if variant not in ("margrpo", "paper"):
     c.rl.consistency = False
-  if variant in ("grpo", "frozen_head"):
+  if variant in ("grpo", "frozen_head") or variant in FORWARD:
     c.rl.mte_seeds = 0
   if variant == "frozen_head_mte":
     c.rl.topk_fraction = 1.0
@@ -120,13 +132,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.rl.train_head = True
   if variant == "focused":  # beyond the paper: only terms that carry reward signal, common random numbers
     c.rl.update(loss_tokens="decoded", mte_seeds=0, num_diffusion_steps=0, shared_noise=True)
-  if variant == "mar_elbo":  # beyond the paper: reward-weighted denoising on re-encoded images (docs/rl_signal.md)
+  if variant in ("paper", "token_elbo") + FORWARD:  # the study's matched budget: 12,800 images, strict pass, EMA
     c.num_iters = 200
-    c.optim.lr = 1e-4
-    c.rl.update(logp="mar", positive_only=True, reencode=True, ema_decay=0.95, beta=0.0, mte_seeds=0,
-                prompts_per_iter=8, group_size=8)
+    c.rl.update(prompts_per_iter=8, group_size=8, ema_decay=0.95)
     c.rl.rewards.update(shapes_partial=0.0, shapes_strict=1.0)
     c.save.every = 25
+  if variant == "paper":
+    c.rl.update(fidelity="official", official_except="diffusion_window")  # only the diffusion-window fix
+  if variant == "token_elbo":
+    c.optim.lr = 1e-4
+    c.rl.update(estimator="token_elbo", loss_tokens="decoded", num_diffusion_steps=0)
+  if variant in FORWARD:
+    c.optim.lr = 1e-4
+    c.rl.update(estimator=variant, beta=0.0)
+    c.rl.mar_objective.label_drop = 0.0  # no gradient into the unconditional branch (docs/estimators.md)
+  if variant == "image_elbo":
+    c.rl.positive_only = True
+  if variant == "awm":
+    c.rl.update(adv_clip=1.0, beta=1.0, anchor="ref")
+  if variant == "nft":
+    c.rl.update(adv_clip=1.0, anchor="rollout", nft_strength=1.0)
   if "smoke" in parts:
     c.num_iters = 3
     c.sampling.update(num_steps=4, diffusion_steps="5")

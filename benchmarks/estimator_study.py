@@ -1,0 +1,209 @@
+r"""Which likelihood estimator learns the shapes world: every cell at the same rollout budget, several training
+seeds, shuffled-advantage controls, each export measured over several sampling seeds.
+
+    python benchmarks/estimator_study.py [--cells=image_elbo,chain_paper,...] [--seeds=0,1,2] [--controls]
+        [--split=val|eval|grammar] [--sample_seeds=0,1,2] [--extra] [--workdir=runs/study]
+    python benchmarks/estimator_study.py --summarize [--doc=docs/estimators.md]
+
+Each (cell, training seed[, control]) is an ordinary RL run of ``configs/shapes_rl.py`` (the cell's variant plus
+its overrides, ``rl.shuffle_advantages`` for the control) in ``W/<cell>/seed<n>[_shuffled]``, with
+``rl.prompts_per_iter x rl.group_size x num_iters`` = :data:`BUDGET` rollout images for every cell. The run is
+the RL job itself, so a killed study resumes where it stopped (rerun the same command); a finished measurement is
+a line of ``W/results.jsonl`` and is never repeated. Measured per run and split, for the EMA export and the raw
+last iterate, on every sampling seed: strict pass overall and per task, partial score (``metrics.py``), diversity
+(mean pairwise latent distance of 8 images of each of 32 prompts of the split), drift from the base, the training
+wall time and images per second. ``--extra`` adds, on the split, 16 AR steps and CFG 2 (the EMA export).
+The base is measured once per split and sampling setting (``W/base.jsonl``); gains are paired by sampling seed.
+
+Splits: ``val`` (held out by text from train and eval: every choice of settings is read there), ``eval`` (the
+final table), ``grammar`` (400 prompts drawn uniformly from the whole grammar, 100 per task, as an outside check
+would draw them, ``shapes.grammar_sample(100, 2026)``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+from margrpo_jax import checkpoint, config_files, fileio, metrics  # noqa: E402
+from margrpo_jax.data import shapes  # noqa: E402
+from margrpo_jax.jobs import rl as rl_job  # noqa: E402
+from margrpo_jax.rl import config as rl_config  # noqa: E402
+
+BUDGET = 12_800  # rollout images per run (the main job's 200 iterations x 64 images)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  variant: str           # configs/shapes_rl.py variant
+  overrides: tuple = ()  # (key, value) pairs on top of it
+  note: str = ""
+
+
+OFFICIAL = (("rl.fidelity", "official"), ("rl.official_except", "diffusion_window"))  # + only the window fix
+CELLS = {
+    # a. the paper's ladder under fidelity=official (only the diffusion-window fix), matched budget
+    "grpo_official": Cell("grpo", OFFICIAL,
+                          "vanilla GRPO: head trained, one chain"),
+    "frozen_head_official": Cell("frozen_head", OFFICIAL,
+                                 "+ frozen diffusion head"),
+    "mte_official": Cell("frozen_head_mte", OFFICIAL,
+                         "+ MTE on every token"),
+    "mte_topk_official": Cell("frozen_head_mte_topk", OFFICIAL, "+ MTE on the top 30 %"),
+    "paper": Cell("paper", (), "MAR-GRPO, every stabiliser, official (+ window fix)"),
+    # b. chain on the decoded tokens, every AR step, every window step
+    "chain_decoded_b01": Cell("focused", (("rl.beta", 0.01),), "chain, decoded tokens, KL 0.01"),
+    "chain_decoded_b04": Cell("focused", (("rl.beta", 0.04),), "chain, decoded tokens, KL 0.04"),
+    # c. positive-only chain; a trust region that acts
+    "chain_positive": Cell("focused", (("rl.positive_only", True),), "chain, decoded tokens, A >= 0"),
+    "chain_ppo": Cell("focused", (("rl.num_inner", 2), ("rl.num_minibatches", 2)),
+                      "chain, decoded tokens, 4 PPO steps per rollout"),
+    # d. token ELBO with q-MTE
+    "token_elbo": Cell("token_elbo", (), "token ELBO, q-MTE, both signs"),
+    "token_elbo_positive": Cell("token_elbo", (("rl.positive_only", True),), "token ELBO, q-MTE, A >= 0"),
+    # e. forward-process estimators on the re-encoded image
+    "image_elbo": Cell("image_elbo", (), "image ELBO, A >= 0 (RAFT / RWR)"),
+    "awm": Cell("awm", (), "AWM: signed clipped advantages, anchor"),
+    "nft": Cell("nft", (), "DiffusionNFT"),
+    # f. no label drop in the ELBO estimators (no gradient into the unconditional branch)
+    "image_elbo_label_drop": Cell("image_elbo", (("rl.mar_objective.label_drop", 0.1),),
+                                  "image ELBO with label drop 0.1 (the earlier main job)"),
+}
+
+
+def run_config(name: str, seed: int, control: bool, workdir: str, budget: int = BUDGET):
+  cell = CELLS[name]
+  c = config_files.load("shapes_rl", cell.variant)
+  for k, v in cell.overrides:
+    config_files.override(c, f"{k}={v}")
+  # the matched protocol: strict pass as the reward, 64 images per iteration, BUDGET images, an EMA export
+  c.rl.rewards.update(shapes_partial=0.0, shapes_strict=1.0)
+  c.rl.update(prompts_per_iter=8, group_size=8, ema_decay=c.rl.ema_decay or 0.95)
+  c.num_iters = budget // (c.rl.group_size * c.rl.prompts_per_iter)
+  c.save.every = 25
+  c.seed = seed
+  c.rl.shuffle_advantages = control
+  c.eval.update(num_prompts=16, batch_size=16)  # the job's own before / after check; the study measures below
+  c.tfds_dir = os.path.join(workdir, "tfds")
+  rl_config.resolve_fidelity(c)
+  return c
+
+
+def records(split: str) -> list[dict]:
+  return shapes.grammar_sample(100, 2026) if split == "grammar" else shapes.split_records(split)
+
+
+def sampling_variants(extra: bool):
+  base = config_files.load("shapes_sample").sampling
+  out = {"default": base}
+  if extra:
+    out["ar16"] = config_files.load("shapes_sample").sampling
+    out["ar16"].num_steps = 16
+    out["cfg2"] = config_files.load("shapes_sample").sampling
+    out["cfg2"].cfg_scale = 2.0
+  return out
+
+
+def measure(graphdef, params, model_cfg, split: str, sampling, seeds) -> dict:
+  recs = records(split)
+  distinct = {t: list(dict.fromkeys(r["prompt"] for r in recs if r["tag"] == t))[:8] for t in shapes.TASKS}
+  prompts = [p for t in shapes.TASKS for p in distinct[t]]
+  out = dict(rates=[], diversity=[])
+  for seed in seeds:
+    out["rates"].append(metrics.rates(metrics.sample_and_verify(graphdef, params, model_cfg, recs, sampling, seed)))
+    out["diversity"].append(metrics.diversity(graphdef, params, model_cfg, prompts, 8, sampling, seed))
+  return out
+
+
+def read_jsonl(path):
+  return fileio.read_jsonl(path) if fileio.exists(path) else []
+
+
+def append(path, rec):
+  with open(path, "a") as f:
+    f.write(json.dumps(rec) + "\n")
+
+
+def base_measure(workdir, split, which, sampling, seeds):
+  path = os.path.join(workdir, "base.jsonl")
+  for r in read_jsonl(path):
+    if r["split"] == split and r["sampling"] == which and r["seeds"] == list(seeds):
+      return r
+  model_cfg, graphdef, params = checkpoint.load_model(checkpoint.resolve("shapes_base"))
+  r = dict(split=split, sampling=which, seeds=list(seeds), **measure(graphdef, params, model_cfg, split, sampling,
+                                                                    seeds))
+  append(path, r)
+  return r
+
+
+def study(args):
+  os.makedirs(args.workdir, exist_ok=True)
+  results = os.path.join(args.workdir, "results.jsonl")
+  seeds = [int(s) for s in args.seeds.split(",")]
+  sample_seeds = [int(s) for s in args.sample_seeds.split(",")]
+  variants = sampling_variants(args.extra)
+  cells = [c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else list(CELLS)
+  unknown = [c for c in cells if c not in CELLS]
+  if unknown:
+    sys.exit(f"error: unknown cell {unknown[0]!r} (cells: {', '.join(CELLS)})")
+  runs = [(c, s, ctl) for c in cells for s in seeds for ctl in ((False, True) if args.controls else (False,))]
+  for which, sampling in variants.items():
+    base_measure(args.workdir, args.split, which, sampling, sample_seeds)
+  for i, (name, seed, control) in enumerate(runs):
+    tag = dict(cell=name, seed=seed, control=control, split=args.split, seeds=sample_seeds, images=args.budget)
+    done = {r["sampling"] for r in read_jsonl(results) if all(r.get(k) == v for k, v in tag.items())}
+    if set(variants) <= done:
+      continue
+    wd = os.path.join(args.workdir, name, f"seed{seed}" + ("_shuffled" if control else ""))
+    config = run_config(name, seed, control, args.workdir, args.budget)
+    print(f"[{i + 1}/{len(runs)}] {name} seed {seed}{' (shuffled control)' if control else ''}: {wd}", flush=True)
+    t0 = time.time()
+    rl_job.run(config, wd)
+    s = rl_job.setup(config)
+    _, state = checkpoint.restore_latest(checkpoint.manager(os.path.join(wd, "checkpoints")), s.init_state())
+    hist = fileio.read_jsonl(os.path.join(wd, "metrics.jsonl"))
+    train_s = float(sum(h["step_seconds"] for h in hist))
+    common = dict(tag, train_seconds=train_s, images_per_s=args.budget / max(train_s, 1e-9),
+                  drift=metrics.drift(s.trained_policy(state), s.policy), note=CELLS[name].note,
+                  rollout_strict_last20=float(np.mean([h["strict_pass"] for h in hist[-20:]])))
+    for which, sampling in variants.items():
+      if which in done:
+        continue
+      rec = dict(common, sampling=which, ema=measure(s.graphdef, s.trained_params(state), s.model_cfg, args.split,
+                                                     sampling, sample_seeds))
+      if which == "default" and s.static.ema_decay:
+        rec["raw"] = measure(s.graphdef, {**s.frozen, **state["policy"]}, s.model_cfg, args.split, sampling,
+                             sample_seeds)
+      append(results, rec)
+    print(f"    measured in {(time.time() - t0) / 60:.1f} min", flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--cells", default="")
+  ap.add_argument("--seeds", default="0,1,2")
+  ap.add_argument("--controls", action="store_true", help="also run each cell with shuffled advantages")
+  ap.add_argument("--split", default="val", choices=("val", "eval", "grammar"))
+  ap.add_argument("--sample_seeds", default="0,1,2")
+  ap.add_argument("--extra", action="store_true", help="also 16 AR steps and CFG 2 on the split")
+  ap.add_argument("--workdir", default="runs/study")
+  ap.add_argument("--budget", type=int, default=BUDGET, help="rollout images per run (a smaller one: a smoke run)")
+  ap.add_argument("--summarize", action="store_true")
+  ap.add_argument("--doc", default="docs/estimators.md")
+  args = ap.parse_args()
+  if args.summarize:
+    from estimator_summary import summarize  # noqa: PLC0415 (benchmarks/estimator_summary.py)
+    summarize(args.workdir, args.doc)
+  else:
+    study(args)
+
+
+if __name__ == "__main__":
+  main()

@@ -11,9 +11,7 @@ the denoising loss of typical samples without limit. No recorded chain is read.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 
-from margrpo_jax.diffusion import gaussian
 from margrpo_jax.rl.estimators import forward
 
 NAME = "awm"
@@ -22,11 +20,5 @@ REENCODES = True
 
 
 def loss(ctx, params, block, key):
-  fc = ctx.sc.forward
-  d = forward.draw(fc.objective, ctx.train_diff, block.tokens, key)
-  out = forward.head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens, d)
-  l_i = forward.per_image(gaussian.training_loss(ctx.train_diff, out, block.tokens, d.x_t, d.t, d.noise), d)
-  eps_a = forward.eps_of(ctx.graphdef, {**ctx.frozen, **ctx.anchors[fc.anchor]}, block.ids, block.tokens, d)
-  kl = jnp.mean(forward.per_image(0.5 * jnp.mean((gaussian.split_output(out)[0] - eps_a) ** 2, -1), d))
-  policy = -jnp.mean(block.adv * l_i)
-  return -(policy - fc.beta * kl), dict(policy=policy, kl=kl, mar_loss=jnp.mean(l_i))
+  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws of ``key``."""
+  return forward.weighted_elbo(ctx, params, block, key, ctx.sc.forward.anchor)

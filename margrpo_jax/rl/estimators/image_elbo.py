@@ -10,9 +10,7 @@ reference (0 with ``beta = 0``, the main job). No recorded chain is read; the ro
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 
-from margrpo_jax.diffusion import gaussian
 from margrpo_jax.rl.estimators import forward
 
 NAME = "image_elbo"
@@ -22,13 +20,4 @@ REENCODES = True
 
 def loss(ctx, params, block, key):
   """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws of ``key``."""
-  fc = ctx.sc.forward
-  d = forward.draw(fc.objective, ctx.train_diff, block.tokens, key)
-  out = forward.head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens, d)
-  l_i = forward.per_image(gaussian.training_loss(ctx.train_diff, out, block.tokens, d.x_t, d.t, d.noise), d)
-  policy = -jnp.mean(block.adv * l_i)
-  kl = jnp.zeros(())
-  if fc.beta:
-    ref = forward.eps_of(ctx.graphdef, {**ctx.frozen, **ctx.anchors["ref"]}, block.ids, block.tokens, d)
-    kl = jnp.mean(forward.per_image(0.5 * jnp.mean((gaussian.split_output(out)[0] - ref) ** 2, -1), d))
-  return -(policy - fc.beta * kl), dict(policy=policy, kl=kl, mar_loss=jnp.mean(l_i))
+  return forward.weighted_elbo(ctx, params, block, key, "ref" if ctx.sc.forward.beta else None)

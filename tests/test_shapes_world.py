@@ -398,9 +398,16 @@ def test_splits():
   assert tr != S.split_records("train", num_train=2000, seed=1)
   assert [m["tag"] for m in tr[:8]] == list(S.TASKS) * 2
   assert not {m["prompt"] for m in ev} & {m["prompt"] for m in tr}
-  ev_pool, tr_pool = S.task_pools("eval"), S.task_pools("train")
-  sizes = {t: (len(ev_pool[t]), len(tr_pool[t])) for t in S.TASKS}
-  assert sizes == {"single_object": (6, 12), "two_object": (128, 178), "counting": (18, 36), "position": (128, 1096)}
+  ev_pool, tr_pool, va_pool = S.task_pools("eval"), S.task_pools("train"), S.task_pools("val")
+  sizes = {t: (len(ev_pool[t]), len(tr_pool[t]), len(va_pool[t])) for t in S.TASKS}
+  assert sizes == {"single_object": (6, 9, 3), "two_object": (128, 114, 64), "counting": (18, 27, 9),
+                   "position": (128, 1032, 64)}
+  va = S.split_records("val")  # held out by text from train and eval: every choice of settings is read there
+  assert len(va) == 512 and va == S.split_records("val")
+  assert not {m["prompt"] for m in va} & ({m["prompt"] for m in ev} | {m["prompt"] for m in tr})
+  for t in S.TASKS:
+    text = lambda pool: {m["prompt"] for m in pool}
+    assert not text(va_pool[t]) & (text(tr_pool[t]) | text(ev_pool[t])), t
   for t in S.TASKS:
     assert not {m["prompt"] for m in ev_pool[t]} & {m["prompt"] for m in tr_pool[t]}
     assert {m["prompt"] for m in ev if m["tag"] == t} == {m["prompt"] for m in ev_pool[t]}

@@ -221,7 +221,8 @@ def test_shapes_world_builder(shapes_dir):
   assert [r["metadata"] for r in train] == shapes.split_records("train")
   assert not {r["prompt"] for r in ev} & {r["prompt"] for r in train}
   builder = tb.prepare("shapes_world", shapes_dir)
-  assert builder.info.version == "1.0.0" and set(builder.info.splits) == {"train", "eval"}
+  assert builder.info.version == "1.1.0" and set(builder.info.splits) == {"train", "val", "eval"}
+  assert [r["metadata"] for r in tb.load_split("shapes_world", "val", shapes_dir)] == shapes.split_records("val")
   assert tb.load_split("shapes_world", "train[:8]", shapes_dir) == train[:8]
   with pytest.raises(ValueError, match="no split 'test'"):
     tb.load_split("shapes_world", "test", shapes_dir)

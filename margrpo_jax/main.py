@@ -36,10 +36,13 @@ def _dispatch(config, workdir: str, allow_changes: bool = False):
   from margrpo_jax import validate
   if config.mode not in JOBS:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
+  job = importlib.import_module(JOBS[config.mode])
   validate.check(config, workdir)  # every value and combination, before anything is loaded or written
+  if hasattr(job, "check"):  # the job's own checks (the ablation job validates each of its runs' configs)
+    job.check(config)
   if config.mode in validate.RESUMABLE:
     validate.begin_run(config, workdir, allow_changes)
-  importlib.import_module(JOBS[config.mode]).run(config, workdir)
+  job.run(config, workdir)
 
 
 class _QuietOrbax:

@@ -274,18 +274,13 @@ def check_sample(config) -> None:
                       "margrpo_jax.convert` and pass the output folder")
 
 
-def check_ablation(config) -> None:
-  from margrpo_jax.jobs import ablation
-  ablation.parse(config)
-
-
 def check_prompt_file(config) -> None:
   path = config.get("prompt_file")
   if path and not fileio.isfile(fileio.resolve(path)):
     raise ConfigError(f"prompt_file {path} does not exist or is not a file")
 
 
-MODE_CHECKS = {"rl": check_rl, "eval": check_eval, "sample": check_sample, "ablation": check_ablation}
+MODE_CHECKS = {"rl": check_rl, "eval": check_eval, "sample": check_sample}  # a job's own checks: its check()
 
 
 def check(config, workdir: str) -> None:

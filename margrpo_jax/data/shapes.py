@@ -172,6 +172,16 @@ def parse_prompt(text: str) -> dict | None:
   return None if md is None else _copy_md(md)
 
 
+def verifiable(md: Any) -> dict | None:
+  """``md`` when it is valid shapes-world metadata of one of :data:`TASKS` (the verifier can score its image),
+  else None: the one rule the sample, eval and RL jobs apply to a prompt record's metadata."""
+  try:
+    validate_metadata(md)
+  except ValueError:
+    return None
+  return md
+
+
 def validate_metadata(md: Any) -> None:
   """Raise ``ValueError`` (one sentence naming the bad field) unless ``md`` is valid metadata.
 

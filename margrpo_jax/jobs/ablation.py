@@ -26,6 +26,11 @@ CURVES = (("strict_pass", "strict pass (rollouts)"), ("reward", "reward (weighte
           ("group_diversity", "group diversity (reward std)"), ("grad_norm", "gradient norm"))
 
 
+def check(config) -> None:
+  """Every run of the experiment validated (one sentence naming the variant and key), before anything runs."""
+  parse(config)
+
+
 def parse(config, workdir: str = "") -> list[tuple[str, int, object, str]]:
   """``[(variant, seed, rl config, run workdir)]`` of the experiment, every run's config validated (one sentence
   naming the variant for the first that cannot work)."""

@@ -32,20 +32,12 @@ import numpy as np
 from absl import logging
 
 from margrpo_jax import checkpoint, fileio, generate, visualize
-from margrpo_jax.data import prompt_files, tfds_builders
-from margrpo_jax.jobs import sample
+from margrpo_jax.data import prompt_files, shapes, tfds_builders
 from margrpo_jax.rewards import registry
-
-SHAPES_TASKS = ("single_object", "two_object", "counting", "position")  # as the sample job scores
 
 
 class EvalError(FileNotFoundError):
   """A bad eval setting (no prompts, unknown reward), reported by main.py as one sentence."""
-
-
-def shapes_metadata(md: dict):
-  """``md`` when it is shapes-world metadata of a verifiable task (the sample job's rule), else None."""
-  return md if "include" in md and md.get("tag") in SHAPES_TASKS and sample._is_shapes(md) else None
 
 
 def load_records(config, workdir: str) -> tuple[list[dict], str]:
@@ -67,7 +59,7 @@ def load_records(config, workdir: str) -> tuple[list[dict], str]:
       continue
     seen[cat] = seen.get(cat, 0) + 1
     md = r.get("metadata") or {}
-    out.append(dict(prompt=r["prompt"], category=cat, metadata=md, shapes=shapes_metadata(md)))
+    out.append(dict(prompt=r["prompt"], category=cat, metadata=md, shapes=shapes.verifiable(md)))
   return (out[:config.max_prompts] if config.max_prompts else out), source
 
 

@@ -18,7 +18,7 @@ from absl import logging
 from PIL import Image
 
 from margrpo_jax import checkpoint, fileio, generate, visualize
-from margrpo_jax.data import prompt_files, tfds_builders
+from margrpo_jax.data import prompt_files, shapes, tfds_builders
 
 
 def load_prompts(config, workdir: str) -> list[dict]:
@@ -33,18 +33,8 @@ def load_prompts(config, workdir: str) -> list[dict]:
   out = []
   for r in recs:
     md = r.get("metadata") or {}
-    out.append(dict(prompt=r["prompt"], tag=r.get("tag", ""), metadata=md if "include" in md and md.get(
-        "tag") in ("single_object", "two_object", "counting", "position") and _is_shapes(md) else None))
+    out.append(dict(prompt=r["prompt"], tag=r.get("tag", ""), metadata=shapes.verifiable(md)))
   return out[:config.max_prompts] if config.max_prompts else out
-
-
-def _is_shapes(md: dict) -> bool:
-  from margrpo_jax.data import shapes
-  try:
-    shapes.validate_metadata(md)
-    return True
-  except ValueError:
-    return False
 
 
 PATHS = ("vae_checkpoint", "tokenizer_path")  # model-block paths a real family needs at sampling time

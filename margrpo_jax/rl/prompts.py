@@ -18,12 +18,11 @@ import os
 import numpy as np
 
 from margrpo_jax.data import prompt_files, shapes, tfds_builders
-from margrpo_jax.jobs import eval as eval_job
 
 
 def _record(prompt: str, category: str = "-", metadata: dict | None = None) -> dict:
   md = metadata if metadata is not None else {"prompt": prompt}
-  return dict(prompt=prompt, category=category or "-", metadata=md, shapes=eval_job.shapes_metadata(md))
+  return dict(prompt=prompt, category=category or "-", metadata=md, shapes=shapes.verifiable(md))
 
 
 def from_metadata(mds: list[dict]) -> list[dict]:

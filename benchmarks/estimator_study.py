@@ -75,6 +75,8 @@ CELLS = {
     # f. no label drop in the ELBO estimators (no gradient into the unconditional branch)
     "image_elbo_label_drop": Cell("image_elbo", (("rl.mar_objective.label_drop", 0.1),),
                                   "image ELBO with label drop 0.1 (the earlier main job)"),
+    # g. main-job candidates (chosen on val; the long one with --budget=25600)
+    "image_elbo_lr2e4": Cell("image_elbo", (("optim.lr", 2e-4),), "image ELBO, A >= 0, lr 2e-4"),
 }
 
 
@@ -161,7 +163,8 @@ def study(args):
     done = {r["sampling"] for r in read_jsonl(results) if all(r.get(k) == v for k, v in tag.items())}
     if set(variants) <= done:
       continue
-    wd = os.path.join(args.workdir, name, f"seed{seed}" + ("_shuffled" if control else ""))
+    wd = os.path.join(args.workdir, name, f"seed{seed}" + ("_shuffled" if control else "") +
+                      ("" if args.budget == BUDGET else f"_{args.budget}img"))
     config = run_config(name, seed, control, args.workdir, args.budget)
     print(f"[{i + 1}/{len(runs)}] {name} seed {seed}{' (shuffled control)' if control else ''}: {wd}", flush=True)
     t0 = time.time()

@@ -44,7 +44,8 @@ def rows(results, bases):
   base = {(b["split"], b["sampling"], tuple(b["seeds"])): b for b in bases}
   groups = collections.defaultdict(list)
   for r in results:
-    groups[(r["split"], r["sampling"], r["cell"], r["control"], tuple(r["seeds"]))].append(r)
+    cell = r["cell"] if r.get("images", 12_800) == 12_800 else f"{r['cell']} ({r['images']:,} images)"
+    groups[(r["split"], r["sampling"], cell, r["control"], tuple(r["seeds"]))].append(r)
   out = collections.defaultdict(list)
   for (split, sampling, cell, control, seeds), runs in groups.items():
     b = base.get((split, sampling, seeds))

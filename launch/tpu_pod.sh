@@ -6,7 +6,9 @@
 #   run:    start the same `python -m margrpo_jax.main ... --config.parallel.distributed=True` on all
 #           workers at once (nohup, each worker logs to ~/margrpo_jax/logs/run.log)
 #   logs:   copy every worker's log to runs/tpu/<name>/worker-<i>.log here and print their tails
-#   stop:   stop the job on all workers;  fetch: copy a local (non-gs://) workdir back from worker 0
+#   stop:   SIGTERM on all workers: the job finishes its step, saves a checkpoint and exits (as on a Spot
+#           preemption notice); `run` with the same arguments resumes it
+#   fetch:  copy a local (non-gs://) workdir back from worker 0
 #   delete: delete the slice (and its queued resource);  all: create + setup + run
 #
 # Every gcloud command is printed before it runs; DRY_RUN=1 prints them without running anything.
@@ -24,7 +26,7 @@ Commands:
   setup    copy the code to all workers and install requirements + jax[tpu] there
   run      start the job on all workers at once (with --config.parallel.distributed=True)
   logs     collect every worker's log into runs/tpu/NAME/ and print the tails (-f: follow one worker)
-  stop     stop the job on all workers
+  stop     stop the job on all workers (it saves a checkpoint first; `run` again resumes it)
   fetch    copy a local workdir back from worker 0 into runs/tpu/NAME/workdir (not needed for gs://)
   delete   delete the slice (and its queued resource, if any)
   all      create + setup + run
@@ -359,7 +361,7 @@ cd ~ && cd "$REMOTE_DIR" || exit 0
 if [ -f logs/run.pid ] && kill -0 "$(cat logs/run.pid)" 2>/dev/null; then
   pid="$(cat logs/run.pid)"
   kill "$pid"
-  for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done  # the step finishes, then a save
   if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid"; fi
   echo "$(hostname): stopped pid $pid"
 else

@@ -25,6 +25,7 @@ JOBS = {"pretrain": "margrpo_jax.jobs.pretrain", "sample": "margrpo_jax.jobs.sam
         "ablation": "margrpo_jax.jobs.ablation", "plan": "margrpo_jax.jobs.plan", "export": "margrpo_jax.jobs.export",
         "eval": "margrpo_jax.jobs.eval", "tokenizer": "margrpo_jax.jobs.tokenizer"}
 MODES = tuple(JOBS)
+LOCKED = ("rl", "pretrain", "tokenizer", "ablation")  # modes that own their workdir while they run (W/.lock)
 
 
 class UserError(Exception):
@@ -36,13 +37,19 @@ def _dispatch(config, workdir: str, allow_changes: bool = False):
   from margrpo_jax import validate
   if config.mode not in JOBS:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
+  from margrpo_jax import workdir_lock
+  from margrpo_jax.parallel import hosts
   job = importlib.import_module(JOBS[config.mode])
   validate.check(config, workdir)  # every value and combination, before anything is loaded or written
   if hasattr(job, "check"):  # the job's own checks (the ablation job validates each of its runs' configs)
     job.check(config)
-  if config.mode in validate.RESUMABLE:
-    validate.begin_run(config, workdir, allow_changes)
-  job.run(config, workdir)
+  lock = workdir_lock.acquire(workdir) if config.mode in LOCKED and hosts.is_main() else None
+  try:
+    if config.mode in validate.RESUMABLE:
+      validate.begin_run(config, workdir, allow_changes)
+    job.run(config, workdir)
+  finally:
+    workdir_lock.release(lock)
 
 
 class _QuietOrbax:
@@ -71,7 +78,7 @@ def main(argv):
     _fail(f"--config could not be loaded: {detail}.")
   import jax
   jax.config.update("jax_threefry_partitionable", True)
-  from margrpo_jax import checkpoint, config_files
+  from margrpo_jax import checkpoint, config_files, interrupt, workdir_lock
   from margrpo_jax.data import prompt_files
   from margrpo_jax.models import families
   from margrpo_jax.parallel import mesh
@@ -80,9 +87,10 @@ def main(argv):
       mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
     except mesh.CoordinatorError as e:
       _fail(_sentence(e))
+  interrupt.install()  # SIGTERM / SIGINT: a checkpoint and one line, never a traceback
   try:
     _dispatch(config, fileio.resolve(_WORKDIR.value), _ALLOW_CHANGES.value)
-  except (UserError, config_files.ConfigError, fileio.UnsupportedPath, checkpoint.CheckpointError,
+  except (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath, checkpoint.CheckpointError,
           prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError) as e:
     _fail(_sentence(e))
   except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same

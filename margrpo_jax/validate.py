@@ -28,6 +28,7 @@ from absl import logging
 
 from margrpo_jax import checkpoint, fileio
 from margrpo_jax.config_files import ConfigError
+from margrpo_jax.models import objective
 
 INF = math.inf
 
@@ -61,8 +62,8 @@ IN_RANGE = {
 }
 OPTIONS = {
     "optim.decay": ("constant", "cosine"), "sampling.cfg_schedule": ("linear", "constant"),
-    "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": ("cosine", "truncnorm"),
-    "rl.mar_objective.mask_ratio": ("cosine", "truncnorm"), "rl.compute_dtype": ("float32", "bfloat16"),
+    "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": objective.MASK_RATIOS,
+    "rl.mar_objective.mask_ratio": objective.MASK_RATIOS, "rl.compute_dtype": ("float32", "bfloat16"),
 }
 # keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
 SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",

@@ -63,3 +63,12 @@ def small_model():
   for i in range(40):
     ts, _ = step(ts, pretrain.make_batch(recs, i, 16, 0, config.model))
   return config.model, graphdef, ts["params"]
+
+
+@pytest.fixture(scope="session")
+def shapes_tfds(tmp_path_factory):
+  """A folder with the shapes-world TFDS prepared once per session (jobs given it as ``tfds_dir`` read it only)."""
+  from margrpo_jax.data import tfds_builders
+  folder = tmp_path_factory.mktemp("shapes_tfds")
+  tfds_builders.prepare("shapes_world", str(folder))
+  return str(folder)

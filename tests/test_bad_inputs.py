@@ -12,6 +12,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them)
+
 RL, PRETRAIN, SAMPLE, EVAL, ABLATION = (f"--config=configs/{n}.py" for n in
                                         ("shapes_rl", "shapes_pretrain", "shapes_sample", "shapes_eval",
                                          "shapes_ablation"))

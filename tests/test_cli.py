@@ -9,6 +9,8 @@ from PIL import Image
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them)
+
 
 def _main(*args, cwd=REPO):
   return subprocess.run([sys.executable, "-m", "margrpo_jax.main", *args], cwd=cwd, capture_output=True,

@@ -222,6 +222,7 @@ def test_corrupted_checkpoints_fail_naming_the_key(tmp_path, monkeypatch):
     mar_convert.convert(sd, origin="synthetic")
 
 
+@pytest.mark.slow
 def test_sample_job_draws_class_images_through_kl16(tmp_path, monkeypatch):
   """Tiny MAR (.pth, {'model', 'model_ema'}) and KL-16 ({'model'}) checkpoints -> convert CLI -> sample job."""
   from margrpo_jax.jobs import sample

@@ -74,6 +74,7 @@ def test_eval_outputs_have_the_interface_fields(shapes_eval):
   assert (d / "w" / "grid_base.png").is_file() and (d / "w" / "grid_base_1.png").is_file()
 
 
+@pytest.mark.slow
 def test_geneval_subset_with_a_tiny_learned_reward(tmp_path):
   """GenEval's metadata file, 1 prompt per task x 2 images, scored by a random-weight ImageReward export."""
   cfg_ir = blip.imagereward_config(**{

@@ -7,6 +7,9 @@ import numpy as np
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import learnability
 from margrpo_jax.jobs import rl as rl_job
+import pytest
+
+pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them)
 
 SETTINGS = dict(optim=dict(lr=3e-4), rl=dict(prompts_per_iter=4, group_size=4), sampling=dict(num_steps=8),
                 eval=dict(batch_size=32))

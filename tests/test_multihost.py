@@ -23,6 +23,9 @@ import sys
 import time
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them)
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent

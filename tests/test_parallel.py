@@ -31,10 +31,12 @@ def checks():
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_eight_simulated_devices(checks):
   assert checks["devices"] == 8
 
 
+@pytest.mark.slow  # the 8-device subprocess
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_pretrain_step_equals_one_device(checks, mesh):
   r = checks[f"pretrain/{mesh}"]
@@ -43,23 +45,27 @@ def test_sharded_pretrain_step_equals_one_device(checks, mesh):
     assert r["sharded_leaves"] > 0
 
 
+@pytest.mark.slow  # the 8-device subprocess
 @pytest.mark.parametrize("mesh", ("2x4", "2x2x2"))  # parallel_checks.RL_MESHES: the RL step compiles slowest
 def test_sharded_rl_step_equals_one_device_with_mte_and_topk(checks, mesh):
   r = checks[f"rl/{mesh}"]
   assert r["loss"] < TOL and r["kl"] < TOL and r["keep"] == 0.0 and r["params"] < TOL, r
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_rl_step_leaves_head_and_reference_alone_and_moves_the_policy(checks):
   assert all(checks["rl/untouched"])  # not donated (still readable) and bitwise unchanged
   assert min(checks["rl/policy_moved"]) > 1e-3
 
 
+@pytest.mark.slow  # the 8-device subprocess
 @pytest.mark.parametrize("target", ["1x8", "one"])
 def test_restore_onto_another_mesh(checks, target):
   r = checks[f"restore/{target}"]
   assert r["diff"] == 0.0 and r["shardings_match"]
 
 
+@pytest.mark.slow  # the 8-device subprocess
 @pytest.mark.parametrize("model", ["shapes", "harmon", "nova"])
 def test_plan_compiles_the_sharded_steps(checks, model):
   """The sharded rollout and RL step compile on a 2 x 4 mesh: the shapes model (bfloat16 compute), and the tiny

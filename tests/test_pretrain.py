@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import smoke_config
@@ -37,6 +38,7 @@ def _run(workdir, max_steps=None):
   return pretrain.run(config, str(workdir), max_steps_this_run=max_steps)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_parameters(tmp_path):
   full = _run(tmp_path / "full")
   _run(tmp_path / "killed", max_steps=2)  # "killed" right after the step-2 checkpoint
@@ -59,3 +61,22 @@ def test_model_export_roundtrip_and_bf16(tmp_path, small_model):
   _, _, half = checkpoint.load_model(str(tmp_path / "bf16"))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2), half, params)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(half))
+
+
+def test_every_mask_ratio_validation_admits_is_one_the_objective_draws_and_no_other():
+  from margrpo_jax import validate
+  from margrpo_jax.config_files import ConfigError
+  for name in ("cosine", "truncnorm", "uniform", "linear", ""):
+    config = smoke_config()
+    config.mar.mask_ratio = name
+    if name not in objective.MASK_RATIOS:
+      with pytest.raises(ConfigError, match="mar.mask_ratio"):
+        validate.check_values(config)
+      continue
+    validate.check_values(config)
+    mask = objective.sample_mask(objective.MaskedObjective.from_config(config.mar), 64, 16, jax.random.key(0))
+    frac = np.asarray(mask).mean(axis=1)
+    assert mask.shape == (64, 16) and frac.min() >= 1 / 16 and frac.max() <= 1.0
+    if name == "truncnorm":  # MAR's law: at least mask_ratio_min of the tokens
+      assert frac.min() >= config.mar.mask_ratio_min - 1 / 16
+  assert set(validate.OPTIONS["mar.mask_ratio"]) == set(objective.MASK_RATIOS)

@@ -20,6 +20,7 @@ def _leaves(tree):
 
 @pytest.mark.parametrize("family,fidelity", [("mar", "intended"), ("harmon", "intended"), ("nova", "intended"),
                                              ("nova", "official")])
+@pytest.mark.slow
 def test_tiny_family_rl_end_to_end(family, fidelity, tmp_path):
   config = config_files.load(family, "tiny")
   config.eval.update(num_prompts=2, batch_size=2)

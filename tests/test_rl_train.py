@@ -38,14 +38,15 @@ def _same(a, b):
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory, base):
+def local_run(tmp_path_factory, base, shapes_tfds):
   """``(config, workdir, final state)`` of the RL smoke job run uninterrupted on a local folder."""
   config = _config(base[0])
   tmp_path = tmp_path_factory.mktemp("rl")
-  config.tfds_dir = str(tmp_path / "tfds")
+  config.tfds_dir = shapes_tfds
   return config, tmp_path, rl_job.run(config, str(tmp_path / "w"))
 
 
+@pytest.mark.slow
 def test_rl_updates_backbone_only_and_writes_the_report(local_run, base):
   _, params = base
   config, tmp_path, state = local_run
@@ -65,6 +66,7 @@ def test_rl_updates_backbone_only_and_writes_the_report(local_run, base):
   assert abs(history[0]["logp_diff"]) < 1e-3  # first update: recomputed log-probs equal the rollout's
 
 
+@pytest.mark.slow
 def test_rl_killed_and_resumed_on_a_bucket_then_export_and_sample_jobs_there(local_run, tmp_path, monkeypatch):
   """The RL job on a gs:// workdir (``tests/fake_gcs.py``), killed after its first checkpoint and resumed by the
   same command, then the export and sample jobs from that bucket: every file lands in the bucket, nothing in a
@@ -101,11 +103,12 @@ def test_rl_killed_and_resumed_on_a_bucket_then_export_and_sample_jobs_there(loc
   assert os.listdir(tmp_path) == []  # no ./gs: folder
 
 
-def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base):
+@pytest.mark.slow
+def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base, shapes_tfds):
   from margrpo_jax.jobs import export
   base_dir, _ = base
   config = _config(base_dir)
-  config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
+  config.num_iters, config.tfds_dir = 1, shapes_tfds
   state = rl_job.run(config, str(tmp_path / "w"))
   config.export.update(dtype="bfloat16", dir=str(tmp_path / "bf16"))
   out = export.run(config, str(tmp_path / "w"))
@@ -117,19 +120,21 @@ def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base):
     export.run(config, str(tmp_path / "w"))
 
 
-def test_nan_reward_skips_the_step(tmp_path, base):
+@pytest.mark.slow
+def test_nan_reward_skips_the_step(tmp_path, base, shapes_tfds):
   base_dir, params = base
   config = _config(base_dir, debug_nan_iter=0)
-  config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
+  config.num_iters, config.tfds_dir = 1, shapes_tfds
   state = rl_job.run(config, str(tmp_path / "w"))
   assert _same(state["policy"], {k: params[k] for k in ("text_encoder", "backbone")})
 
 
-def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path, base):
+@pytest.mark.slow
+def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path, base, shapes_tfds):
   from margrpo_jax.jobs import ablation
   c = config_files.load("shapes_ablation")
   c.update(variants="grpo,margrpo", seeds="0,1", checkpoint=base[0], smoke=True, table_every=1,
-           tfds_dir=str(tmp_path / "tfds"))
+           tfds_dir=shapes_tfds)
   c.overrides.update(num_iters=2, eval=dict(num_prompts=4))
   results = ablation.run(c, str(tmp_path))
   assert {v: [r["seed"] for r in rs] for v, rs in results.items()} == {"grpo": [0, 1], "margrpo": [0, 1]}
@@ -150,11 +155,12 @@ def test_real_family_rl_needs_a_checkpoint():
       rl_job.setup(c)
 
 
-def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, base):
+@pytest.mark.slow
+def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, base, shapes_tfds):
   """``rl.fidelity=official`` is resolved before anything runs: ``config.json`` holds the official switch values
   the run used (no hidden override), and the step config is built from them."""
   config = _config(base[0], fidelity="official")
-  config.num_iters, config.tfds_dir = 1, str(tmp_path / "tfds")
+  config.num_iters, config.tfds_dir = 1, shapes_tfds
   rl_job.run(config, str(tmp_path / "w"))
   recorded = json.loads((tmp_path / "w" / "config.json").read_text())["rl"]
   assert {k: recorded[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
@@ -214,11 +220,12 @@ def test_image_elbo_step_is_the_advantage_weighted_elbo_gradient_and_exports_the
   assert not _same(state["ema"], state["policy"]) and s.trained_policy(state) is state["ema"]
 
 
-def test_a_diverging_run_is_stopped_before_anything_broken_is_saved(tmp_path, base):
+@pytest.mark.slow
+def test_a_diverging_run_is_stopped_before_anything_broken_is_saved(tmp_path, base, shapes_tfds):
   """lr = 1e30 turns the parameters non-finite within a few iterations: the iteration that did it is refused in
   one sentence, and the newest checkpoint is the last finite state."""
   config = _config(base[0])
-  config.num_iters, config.tfds_dir, config.optim.lr = 4, str(tmp_path / "tfds"), 1e30
+  config.num_iters, config.tfds_dir, config.optim.lr = 4, shapes_tfds, 1e30
   config.save.every = 1
   with pytest.raises(checkpoint.NonFiniteError, match=r"RL iteration (\d) produced a non-finite") as e:
     rl_job.run(config, str(tmp_path / "w"))

@@ -11,6 +11,9 @@ import numpy as np
 from margrpo_jax import checkpoint, config_files, generate
 from margrpo_jax.data import shapes
 from margrpo_jax.rewards import shapes_verifier
+import pytest
+
+pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them)
 
 
 def test_shipped_base_draws_single_objects():

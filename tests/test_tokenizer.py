@@ -16,6 +16,7 @@ def _run(workdir, max_steps=None):
   return tokenizer.run(config, str(workdir), max_steps_this_run=max_steps)
 
 
+@pytest.mark.slow
 def test_tokenizer_job_resumes_and_exports(tmp_path):
   full = _run(tmp_path / "full")
   _run(tmp_path / "killed", max_steps=2)  # "killed" after its step-2 checkpoint

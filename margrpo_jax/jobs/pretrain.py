@@ -22,7 +22,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from margrpo_jax import checkpoint, fileio, generate, optim, validate
+from margrpo_jax import checkpoint, fileio, generate, interrupt, optim, validate
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective, text, tiny
@@ -119,7 +119,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
     return sharding.to_global(rows, batch_sh)
   progress = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
   t0, t_last, m_last = time.time(), time.time(), {}
-  with concurrent.futures.ThreadPoolExecutor(1) as pool, metric_writers.ensure_flushes(writer):
+  with concurrent.futures.ThreadPoolExecutor(1) as pool, metric_writers.ensure_flushes(writer), interrupt.polled():
     nxt = pool.submit(batch_fn, start) if start < end else None
     for step in range(start, end):
       batch = nxt.result()
@@ -139,8 +139,12 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         writer.write_scalars(done, m)
         logging.info("step %d/%d loss %.4f grad_norm %.3f (%.1f min)", done, config.num_steps, m["loss"],
                      m["grad_norm"], (time.time() - t0) / 60)
-      if done % config.checkpoint.every == 0 or done == end:
+      stop = done % config.log_every == 0 and interrupt.requested()  # polled where the step syncs anyway
+      if done % config.checkpoint.every == 0 or done == end or stop:
         checkpoint.save_state(mngr, done, train_state, f"the pretraining state at step {done}")
+      if stop and done < end:
+        checkpoint.wait(mngr)
+        interrupt.stop(f"the pretraining state at step {done} is saved in {mngr.directory}")
       if config.eval.every and (done % config.eval.every == 0 or done == config.num_steps):
         num = ((config.eval.get("final_num_prompts") or len(eval_recs)) if done == config.num_steps
                else config.eval.num_prompts)

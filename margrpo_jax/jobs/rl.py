@@ -33,7 +33,7 @@ import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
 
-from margrpo_jax import checkpoint, config_files, fileio, generate, optim, rng, validate
+from margrpo_jax import checkpoint, config_files, fileio, generate, interrupt, optim, rng, validate
 from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
@@ -242,37 +242,45 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   if start < end:
     logging.info("RL iterations %d..%d of %d (%d prompts x %d images each); the first one compiles the rollout "
                  "and the update ...", start + 1, end, config.num_iters, config.rl.prompts_per_iter, g)
-  for it in range(start, end):
-    t_it = time.time()
-    state, m, ro = iteration(config, s, state, train_recs, it)
-    progress(it + 1)
-    if it == start:
-      t_first = time.time()  # the first iteration compiled: time the others
-    if m is None:
-      logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, ro["reward"])
-      writer.write_scalars(it, {"skipped_nonfinite_reward": 1.0})
-      continue
-    if not (math.isfinite(m["loss"]) and checkpoint.all_finite(state)):
-      checkpoint.wait(mngr)
-      newest = mngr.latest_step()
-      raise checkpoint.NonFiniteError(
-          f"RL iteration {it + 1} produced a non-finite loss ({m['loss']}) or parameters; it was not saved, and "
-          + (f"the newest checkpoint (step {newest} in {mngr.directory}) is the last good one."
-             if newest is not None else "no checkpoint had been written yet."))
-    m.update(learning_rate=float(lr(it * steps_per_iter)), step_seconds=time.time() - t_it)
-    history.append(dict(iter=it, **m))
-    writer.write_scalars(it + 1, m)
-    if it % config.log_images_every == 0:
-      writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
-    eta = (f"ETA {(time.time() - t_first) / (it - start) * (end - it - 1) / 60:.1f} min" if it > start
-           else "compiled")
-    logging.info("iter %d/%d reward %.3f%s loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
-                 config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
-                 m["loss"], m["kl"], m["step_seconds"],
-                 (time.time() - t0) / 60, eta)
-    if (it + 1) % config.save.every == 0 or it + 1 == end:
-      checkpoint.save_state(mngr, it + 1, state, f"the RL state after iteration {it + 1}")
-      fileio.write_jsonl(hist_path, history)
+  with interrupt.polled():  # SIGTERM / SIGINT: finish the iteration, save, one line, exit 143 / 130
+    for it in range(start, end):
+      t_it = time.time()
+      state, m, ro = iteration(config, s, state, train_recs, it)
+      progress(it + 1)
+      if it == start:
+        t_first = time.time()  # the first iteration compiled: time the others
+      if m is None:
+        logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, ro["reward"])
+        writer.write_scalars(it, {"skipped_nonfinite_reward": 1.0})
+        if interrupt.requested():
+          checkpoint.wait(mngr)
+          interrupt.stop(f"iteration {it + 1} was skipped; the newest checkpoint in {mngr.directory} is kept")
+        continue
+      if not (math.isfinite(m["loss"]) and checkpoint.all_finite(state)):
+        checkpoint.wait(mngr)
+        newest = mngr.latest_step()
+        raise checkpoint.NonFiniteError(
+            f"RL iteration {it + 1} produced a non-finite loss ({m['loss']}) or parameters; it was not saved, and "
+            + (f"the newest checkpoint (step {newest} in {mngr.directory}) is the last good one."
+               if newest is not None else "no checkpoint had been written yet."))
+      m.update(learning_rate=float(lr(it * steps_per_iter)), step_seconds=time.time() - t_it)
+      history.append(dict(iter=it, **m))
+      writer.write_scalars(it + 1, m)
+      if it % config.log_images_every == 0:
+        writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
+      eta = (f"ETA {(time.time() - t_first) / (it - start) * (end - it - 1) / 60:.1f} min" if it > start
+             else "compiled")
+      logging.info("iter %d/%d reward %.3f%s loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
+                   config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
+                   m["loss"], m["kl"], m["step_seconds"],
+                   (time.time() - t0) / 60, eta)
+      stop = interrupt.requested()
+      if (it + 1) % config.save.every == 0 or it + 1 == end or stop:
+        checkpoint.save_state(mngr, it + 1, state, f"the RL state after iteration {it + 1}")
+        fileio.write_jsonl(hist_path, history)
+      if stop and it + 1 < end:
+        checkpoint.wait(mngr)
+        interrupt.stop(f"the RL state after iteration {it + 1} is saved in {mngr.directory}")
   checkpoint.wait(mngr)
   if end < config.num_iters:
     return state
@@ -285,13 +293,13 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
                 eval_prompts=len(eval_recs), prompts=rl_prompts.source(config, model_cfg), family=model_cfg.family,
                 reward_means={k: dict(base=base_eval["rewards"][k]["all"]["mean"],
                                       final=final_eval["rewards"][k]["all"]["mean"]) for k in base_eval["rewards"]})
-  fileio.write_json(os.path.join(workdir, "report.json"), report)
   writer.write_images(config.num_iters, {"eval/before": generate.image_grid(base_images[:64], scale=4)[None],
                                          "eval/after": generate.image_grid(final_images[:64], scale=4)[None]})
   writer.write_scalars(config.num_iters, {f"eval/{when}_{k}": v[when] for k, v in report["reward_means"].items()
                                           for when in ("base", "final") if v[when] is not None})
   _write_pictures(workdir, eval_recs, base_images, final_images, history, report)
   writer.flush()
+  fileio.write_json(os.path.join(workdir, "report.json"), report)  # last: a run with a report.json is finished
   head = (f"strict pass {base_eval['strict_pass']:.3f} (base) -> {final_eval['strict_pass']:.3f} (fine-tuned)"
           if shapes_task else ", ".join(f"{k} {v['base']:.4f} (base) -> {v['final']:.4f} (fine-tuned)"
                                          for k, v in report["reward_means"].items()))

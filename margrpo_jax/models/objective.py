@@ -21,6 +21,9 @@ from margrpo_jax import rng
 from margrpo_jax.diffusion import gaussian
 
 
+MASK_RATIOS = ("cosine", "truncnorm")  # the one list of mask-ratio laws (validate.py reads it)
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskedObjective:
   mask_ratio: str = "cosine"    # 'cosine' (MaskGIT, the sampler's fractions) | 'truncnorm' (MAR)
@@ -35,8 +38,8 @@ class MaskedObjective:
 
 
 def validate(obj: MaskedObjective) -> None:
-  if obj.mask_ratio not in ("cosine", "truncnorm"):
-    raise ValueError(f"mask_ratio={obj.mask_ratio!r} is not one of 'cosine', 'truncnorm'")
+  if obj.mask_ratio not in MASK_RATIOS:
+    raise ValueError(f"mask_ratio={obj.mask_ratio!r} is not one of {', '.join(MASK_RATIOS)}")
   if obj.diffusion_batch_mul < 1 or not 0.0 <= obj.label_drop <= 1.0:
     raise ValueError(f"diffusion_batch_mul={obj.diffusion_batch_mul} must be >= 1 and label_drop="
                      f"{obj.label_drop} lie in [0, 1]")
@@ -51,7 +54,7 @@ def sample_mask(obj: MaskedObjective, b: int, seq_len: int, key: jax.Array) -> j
     lower = (obj.mask_ratio_min - 1.0) / obj.mask_ratio_std
     ratio = 1.0 + obj.mask_ratio_std * jax.random.truncated_normal(rng.stream(key, "ratio"), lower, 0.0, (b,))
   else:
-    raise ValueError(f"mar.mask_ratio={obj.mask_ratio!r} is not one of 'truncnorm', 'cosine'")
+    raise ValueError(f"mar.mask_ratio={obj.mask_ratio!r} is not one of {', '.join(MASK_RATIOS)}")
   num_masked = jnp.clip(jnp.ceil(seq_len * ratio), 1, seq_len)
   return jnp.argsort(order, axis=1) < num_masked[:, None]  # place in the order < number masked
 

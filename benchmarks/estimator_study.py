@@ -77,6 +77,8 @@ CELLS = {
                                   "image ELBO with label drop 0.1 (the earlier main job)"),
     # g. main-job candidates (chosen on val; the long one with --budget=25600)
     "image_elbo_lr2e4": Cell("image_elbo", (("optim.lr", 2e-4),), "image ELBO, A >= 0, lr 2e-4"),
+    "image_elbo_ptx": Cell("image_elbo", (("rl.pretrain_mix", 1.0),),
+                           "image ELBO, A >= 0, + rendered train images at weight 1 (PPO-ptx)"),
 }
 
 

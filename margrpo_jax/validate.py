@@ -58,6 +58,7 @@ IN_RANGE = {
     "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.topk_fraction": (0, 1, True, True),
     "rl.ema_decay": (0, 1, True, False), "rl.flow_noise_level": (0, INF, True, False),
     "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
+    "rl.pretrain_mix": (0, INF, True, False),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
 OPTIONS = {
@@ -222,6 +223,11 @@ def check_rl(config) -> None:
     raise ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the images, and "
                       f"the {model_cfg.family} family's image encoder is not implemented: use rl.estimator='chain'")
   rl_config.step_config(config, model_cfg)  # with the base's own head (a flow head's rules: estimator, noise level)
+  if config.rl.get("pretrain_mix") and (not estimators.get(config.rl.estimator).REENCODES
+                                        or model_cfg.family != "tiny" or config.rl.prompt_file):
+    raise ConfigError(f"rl.pretrain_mix={config.rl.pretrain_mix} renders shapes-world train images for the "
+                      "update: it needs a forward-process estimator (image_elbo, awm, nft), the shapes-world base "
+                      "and its own train prompts (no rl.prompt_file)")
   verifier = next((k for k in weights if k in registry.NEEDS_SHAPES), None)
   if verifier and model_cfg.family != "tiny":
     raise ConfigError(f"rl.rewards.{verifier} is a shapes-world verifier reward, but the base is a "

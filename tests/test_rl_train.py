@@ -236,3 +236,26 @@ def test_a_diverging_run_is_stopped_before_anything_broken_is_saved(tmp_path, ba
     _, state = checkpoint.restore_latest(mngr, rl_job.setup(config).init_state())
     assert checkpoint.all_finite(state)
   assert not (tmp_path / "w" / "export").exists() and not (tmp_path / "w" / "report.json").exists()
+
+
+def test_pretrain_mix_adds_rendered_train_images_weighted_like_an_advantage(base):
+  """``rl.pretrain_mix``: a quarter-batch of rendered train images joins the update with weight ``pretrain_mix``;
+  with every advantage zero (a constant reward) the update is then MAR's pretraining loss alone (it moves the
+  policy) and without it nothing moves; the rollout's own rows are unchanged."""
+  config = _config(base[0], estimator="image_elbo", positive_only=True, beta=0.0, mte_seeds=0, consistency=False,
+                   pretrain_mix=1.0)
+  config.rl.rewards.update(jpeg_compressibility=0.0, brightness=0.0, shapes_strict=0.0, shapes_partial=0.0)
+  config.rl.rewards.update(shapes_dense=0.0)
+  s = rl_job.setup(config)
+  recs = rl_prompts.from_metadata(shapes.split_records("train", num_train=64))
+  ro = rl_job.rollout(config, s, s.policy, recs, 0)
+  adv = np.zeros(len(ro["images"]), np.float32)
+  ids, w, tokens = rl_job.with_pretraining_images(config, s, recs, 0, ro["ids"], adv, rl_job.training_tokens(
+      config, s, ro))
+  n = len(adv) // 4
+  assert ids.shape[0] == tokens.shape[0] == len(w) == len(adv) + n and np.all(w[len(adv):] == 1.0)
+  np.testing.assert_array_equal(np.asarray(ids)[:len(adv)], np.asarray(ro["ids"]))
+  moved, _, _ = rl_job.iteration(config, s, s.init_state(), recs, 0)
+  config.rl.pretrain_mix = 0.0
+  still, _, _ = rl_job.iteration(config, s, s.init_state(), recs, 0)
+  assert not _same(moved["policy"], s.policy) and _same(still["policy"], s.policy)

@@ -34,6 +34,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 
 from margrpo_jax import checkpoint, config_files, fileio, generate, interrupt, optim, rng, validate
+from margrpo_jax.data import shapes
 from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
@@ -183,6 +184,24 @@ def training_tokens(config, s: Setup, ro: dict):
   return sharding.to_global(local, sharding.batch_sharding(s.mesh, 3))
 
 
+def with_pretraining_images(config, s: Setup, train_recs: list[dict], it: int, ids, adv: np.ndarray, tokens):
+  """``(ids, adv, tokens)`` with ``B / 4`` more rows: train prompts drawn as pretraining draws them, rendered with
+  fresh layouts and encoded, each with weight ``rl.pretrain_mix`` (PPO-ptx). The forward estimators' loss
+  ``-mean_i w_i ELBO_i`` then adds ``pretrain_mix / 5`` of MAR's pretraining loss to the RL term (4/5 of it)."""
+  n = len(adv) // 4
+  r = np.random.default_rng([config.seed, it, 1])  # a stream of its own: the rollout's prompts are unchanged
+  mds = [train_recs[i]["shapes"] for i in r.integers(len(train_recs), size=n)]
+  family = families.get(s.model_cfg.family)
+  real_ids = np.asarray(family.prompt_ids(s.model_cfg, [m["prompt"] for m in mds]))
+  real_tokens = np.asarray(family.encode_images(s.model_cfg, shapes.render_batch(mds, r)))
+  cat = lambda a, b: np.concatenate([sharding.to_host(a), b])
+  ids, tokens = cat(ids, real_ids), cat(tokens, real_tokens)
+  rows = sharding.host_rows(len(ids))
+  return (sharding.to_global(ids[rows], sharding.batch_sharding(s.mesh, ids.ndim)),
+          np.concatenate([adv, np.full(n, config.rl.pretrain_mix, adv.dtype)]),
+          sharding.to_global(tokens[rows], sharding.batch_sharding(s.mesh, tokens.ndim)))
+
+
 def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   """One RL iteration: rollout, rewards, group advantages (permuted inside groups when
   ``rl.shuffle_advantages``, the no-signal control), one jitted update. Returns ``(state, metrics, rollout)``;
@@ -198,9 +217,11 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   if config.rl.shuffle_advantages:
     adv = advantages.shuffle_in_groups(adv, g, [config.seed, it])
   adv = advantages.shape_weights(adv, config.rl.positive_only, config.rl.adv_clip)
+  ids, tokens = ro["ids"], training_tokens(config, s, ro)
+  if config.rl.pretrain_mix:
+    ids, adv, tokens = with_pretraining_images(config, s, train_recs, it, ids, adv, tokens)
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
-  state, m = s.step_fn(state, s.frozen, s.ref, ro["ids"], adv, ro["rec"], training_tokens(config, s, ro),
-                       rng.stream(ro["key"], "train"))
+  state, m = s.step_fn(state, s.frozen, s.ref, ids, adv, ro["rec"], tokens, rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
   if verifiable(s.model_cfg, ro["recs"]):
     strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"],

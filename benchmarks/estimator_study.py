@@ -157,7 +157,8 @@ def study(args):
   unknown = [c for c in cells if c not in CELLS]
   if unknown:
     sys.exit(f"error: unknown cell {unknown[0]!r} (cells: {', '.join(CELLS)})")
-  runs = [(c, s, ctl) for c in cells for s in seeds for ctl in ((False, True) if args.controls else (False,))]
+  arms = (True,) if args.controls_only else (False, True) if args.controls else (False,)
+  runs = [(c, s, ctl) for c in cells for s in seeds for ctl in arms]
   for which, sampling in variants.items():
     base_measure(args.workdir, args.split, which, sampling, sample_seeds)
   for i, (name, seed, control) in enumerate(runs):
@@ -195,6 +196,8 @@ def main():
   ap.add_argument("--cells", default="")
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--controls", action="store_true", help="also run each cell with shuffled advantages")
+  ap.add_argument("--controls_only", action="store_true", help="only the shuffled-advantage runs (beside another "
+                  "process running the real ones)")
   ap.add_argument("--split", default="val", choices=("val", "eval", "grammar"))
   ap.add_argument("--sample_seeds", default="0,1,2")
   ap.add_argument("--extra", action="store_true", help="also 16 AR steps and CFG 2 on the split")

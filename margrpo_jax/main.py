@@ -63,8 +63,8 @@ def main(argv):
   logging.get_absl_handler().python_handler.addFilter(_QuietOrbax())  # ABSLHandler skips its own filters
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if _WORKDIR.value is None:
-    _fail("--workdir is required (the directory for checkpoints, logs and outputs).")
+  if not (_WORKDIR.value or "").strip():
+    _fail("--workdir is required and must not be empty (the directory for checkpoints, logs and outputs).")
   from margrpo_jax import fileio
   try:
     fileio.check_scheme(_WORKDIR.value, "--workdir")

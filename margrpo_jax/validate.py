@@ -320,7 +320,12 @@ def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
   of :data:`SAFE_TO_CHANGE` may differ and ``config.json`` then records the new values."""
   path = os.path.join(workdir, "config.json")
   now = _config_dict(config)
-  before = fileio.read_json(path) if fileio.isdir(os.path.join(workdir, "checkpoints")) else None
+  ckpt = os.path.join(workdir, "checkpoints")
+  before = fileio.read_json(path) if fileio.isdir(ckpt) else None
+  if not isinstance(before, dict) and fileio.isdir(ckpt) and any(n.strip("/").isdigit() for n in fileio.listdir(ckpt)):
+    raise ConfigError(f"{workdir} holds checkpoints but no readable config.json (the record of the config they "
+                      "were trained with), so a rerun cannot tell whether it is the same run: restore "
+                      f"{path} or use a new --workdir")
   if isinstance(before, dict):
     a, b = flatten(before), flatten(now)
     diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))

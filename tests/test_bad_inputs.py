@@ -24,6 +24,8 @@ TOKENIZER = REPO / "margrpo_jax" / "assets" / "shapes_tokenizer"
 
 # (case id, entry module, arguments ({T}: the case's fixture folder, {W}: a fresh workdir), text the error names)
 CASES = [
+    ("workdir_empty", "main", [RL, "--workdir="], "--workdir is required and must not be empty"),
+    ("checkpoints_without_record", "main", [RL, "--workdir={T}/no_record"], "no readable config.json"),
     ("lr_nan", "main", [RL, "--config.optim.lr=nan"], "optim.lr=nan"),
     ("lr_negative", "main", [RL, "--config.optim.lr=-1e-4"], "optim.lr=-0.0001"),
     ("lr_inf", "main", [RL, "--config.optim.lr=inf"], "optim.lr=inf"),
@@ -148,6 +150,7 @@ def results(tmp_path_factory):
   (fx / "wider" / "model.json").write_text(json.dumps(wider))
   os.symlink(BASE / "params", fx / "wider" / "params")
   (fx / "old_run" / "checkpoints").mkdir(parents=True)
+  (fx / "no_record" / "checkpoints" / "5").mkdir(parents=True)  # a run whose config.json was deleted
   (fx / "old_run" / "config.json").write_text(config_files.load("shapes_rl").to_json(indent=2, sort_keys=True))
   (fx / "weights.safetensors").write_bytes(os.urandom(4096))
   (fx / "bad.jsonl").write_text('{"prompt": "a red circle"}\n{"prompt": "x",\n')

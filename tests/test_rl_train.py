@@ -130,6 +130,16 @@ def test_nan_reward_skips_the_step(tmp_path, base, shapes_tfds):
 
 
 @pytest.mark.slow
+def test_a_reward_that_is_never_finite_stops_the_run_instead_of_exporting_the_base(tmp_path, base, shapes_tfds):
+  config = _config(base[0])
+  config.rl.rewards.update(jpeg_compressibility=1e39)  # overflows float32 on every image
+  config.num_iters, config.tfds_dir = 5, shapes_tfds
+  with pytest.raises(checkpoint.NonFiniteError, match=f"non-finite in {rl_job.MAX_SKIPPED} iterations in a row"):
+    rl_job.run(config, str(tmp_path / "w"))
+  assert not (tmp_path / "w" / "export").exists() and not (tmp_path / "w" / "report.json").exists()
+
+
+@pytest.mark.slow
 def test_ablation_runs_every_variant_and_seed_and_writes_table_and_plot(tmp_path, base, shapes_tfds):
   from margrpo_jax.jobs import ablation
   c = config_files.load("shapes_ablation")

@@ -233,6 +233,9 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   return state, m, ro
 
 
+MAX_SKIPPED = 3  # iterations in a row with a non-finite reward before the run stops (one sentence, exit 1)
+
+
 def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
   for change in rl_config.resolve_fidelity(config):  # already done when the entry point read the config
@@ -263,6 +266,7 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   if start < end:
     logging.info("RL iterations %d..%d of %d (%d prompts x %d images each); the first one compiles the rollout "
                  "and the update ...", start + 1, end, config.num_iters, config.rl.prompts_per_iter, g)
+  skipped = 0  # iterations in a row whose reward was non-finite
   with interrupt.polled():  # SIGTERM / SIGINT: finish the iteration, save, one line, exit 143 / 130
     for it in range(start, end):
       t_it = time.time()
@@ -270,6 +274,13 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
       progress(it + 1)
       if it == start:
         t_first = time.time()  # the first iteration compiled: time the others
+      skipped = skipped + 1 if m is None else 0
+      if skipped == MAX_SKIPPED:
+        checkpoint.wait(mngr)
+        raise checkpoint.NonFiniteError(
+            f"the reward was non-finite in {MAX_SKIPPED} iterations in a row ({it + 2 - MAX_SKIPPED}..{it + 1}; e.g. "
+            f"{ro['reward'][:4]}), so nothing is being trained: check rl.rewards; the newest checkpoint in "
+            f"{mngr.directory} is kept")
       if m is None:
         logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, ro["reward"])
         writer.write_scalars(it, {"skipped_nonfinite_reward": 1.0})

@@ -90,8 +90,8 @@ def main(argv):
   interrupt.install()  # SIGTERM / SIGINT: a checkpoint and one line, never a traceback
   try:
     _dispatch(config, fileio.resolve(_WORKDIR.value), _ALLOW_CHANGES.value)
-  except (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath, checkpoint.CheckpointError,
-          prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError) as e:
+  except (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath,
+          checkpoint.CheckpointError, prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError) as e:
     _fail(_sentence(e))
   except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same
     _fail(_sentence(e), code=1)

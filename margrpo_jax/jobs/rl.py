@@ -281,31 +281,28 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
             f"the reward was non-finite in {MAX_SKIPPED} iterations in a row ({it + 2 - MAX_SKIPPED}..{it + 1}; e.g. "
             f"{ro['reward'][:4]}), so nothing is being trained: check rl.rewards; the newest checkpoint in "
             f"{mngr.directory} is kept")
-      if m is None:
+      if m is None:  # the step counter moved, the parameters did not: saved like any other iteration
         logging.warning("iteration %d: non-finite reward %s; skipped, parameters untouched", it, ro["reward"])
         writer.write_scalars(it, {"skipped_nonfinite_reward": 1.0})
-        if interrupt.requested():
+      else:
+        if not (math.isfinite(m["loss"]) and checkpoint.all_finite(state)):
           checkpoint.wait(mngr)
-          interrupt.stop(f"iteration {it + 1} was skipped; the newest checkpoint in {mngr.directory} is kept")
-        continue
-      if not (math.isfinite(m["loss"]) and checkpoint.all_finite(state)):
-        checkpoint.wait(mngr)
-        newest = mngr.latest_step()
-        raise checkpoint.NonFiniteError(
-            f"RL iteration {it + 1} produced a non-finite loss ({m['loss']}) or parameters; it was not saved, and "
-            + (f"the newest checkpoint (step {newest} in {mngr.directory}) is the last good one."
-               if newest is not None else "no checkpoint had been written yet."))
-      m.update(learning_rate=float(lr(it * steps_per_iter)), step_seconds=time.time() - t_it)
-      history.append(dict(iter=it, **m))
-      writer.write_scalars(it + 1, m)
-      if it % config.log_images_every == 0:
-        writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
-      eta = (f"ETA {(time.time() - t_first) / (it - start) * (end - it - 1) / 60:.1f} min" if it > start
-             else "compiled")
-      logging.info("iter %d/%d reward %.3f%s loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
-                   config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
-                   m["loss"], m["kl"], m["step_seconds"],
-                   (time.time() - t0) / 60, eta)
+          newest = mngr.latest_step()
+          raise checkpoint.NonFiniteError(
+              f"RL iteration {it + 1} produced a non-finite loss ({m['loss']}) or parameters; it was not saved, and "
+              + (f"the newest checkpoint (step {newest} in {mngr.directory}) is the last good one."
+                 if newest is not None else "no checkpoint had been written yet."))
+        m.update(learning_rate=float(lr(it * steps_per_iter)), step_seconds=time.time() - t_it)
+        history.append(dict(iter=it, **m))
+        writer.write_scalars(it + 1, m)
+        if it % config.log_images_every == 0:
+          writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
+        eta = (f"ETA {(time.time() - t_first) / (it - start) * (end - it - 1) / 60:.1f} min" if it > start
+               else "compiled")
+        logging.info("iter %d/%d reward %.3f%s loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
+                     config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
+                     m["loss"], m["kl"], m["step_seconds"],
+                     (time.time() - t0) / 60, eta)
       stop = interrupt.requested()
       if (it + 1) % config.save.every == 0 or it + 1 == end or stop:
         checkpoint.save_state(mngr, it + 1, state, f"the RL state after iteration {it + 1}")

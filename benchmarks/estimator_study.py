@@ -3,17 +3,19 @@ seeds, shuffled-advantage controls, each export measured over several sampling s
 
     python benchmarks/estimator_study.py [--cells=image_elbo,chain_paper,...] [--seeds=0,1,2] [--controls]
         [--split=val|eval|grammar] [--sample_seeds=0,1,2] [--extra] [--workdir=runs/study]
+        [--record=benchmarks/results]
     python benchmarks/estimator_study.py --summarize [--doc=docs/estimators.md]
 
 Each (cell, training seed[, control]) is an ordinary RL run of ``configs/shapes_rl.py`` (the cell's variant plus
 its overrides, ``rl.shuffle_advantages`` for the control) in ``W/<cell>/seed<n>[_shuffled]``, with
 ``rl.prompts_per_iter x rl.group_size x num_iters`` = :data:`BUDGET` rollout images for every cell. The run is
 the RL job itself, so a killed study resumes where it stopped (rerun the same command); a finished measurement is
-a line of ``W/results.jsonl`` and is never repeated. Measured per run and split, for the EMA export and the raw
+a line of ``R/results.jsonl`` and is never repeated (``R``, the record, is ``benchmarks/results`` in the repository:
+the measurements are committed as they come; the runs themselves stay in ``W``). Measured per run and split, for the EMA export and the raw
 last iterate, on every sampling seed: strict pass overall and per task, partial score (``metrics.py``), diversity
 (mean pairwise latent distance of 8 images of each of 32 prompts of the split), drift from the base, the training
 wall time and images per second. ``--extra`` adds, on the split, 16 AR steps and CFG 2 (the EMA export).
-The base is measured once per split and sampling setting (``W/base.jsonl``); gains are paired by sampling seed.
+The base is measured once per split and sampling setting (``R/base.jsonl``); gains are paired by sampling seed.
 
 Splits: ``val`` (held out by text from train and eval: every choice of settings is read there), ``eval`` (the
 final table), ``grammar`` (400 prompts drawn uniformly from the whole grammar, 100 per task, as an outside check
@@ -79,6 +81,11 @@ CELLS = {
     "image_elbo_lr2e4": Cell("image_elbo", (("optim.lr", 2e-4),), "image ELBO, A >= 0, lr 2e-4"),
     "image_elbo_ptx": Cell("image_elbo", (("rl.pretrain_mix", 1.0),),
                            "image ELBO, A >= 0, + rendered train images at weight 1 (PPO-ptx)"),
+    # h. the drift's mechanism: rollouts drawn with CFG 3 are not the conditional model's own samples, so training
+    #    the conditional on them distils the guidance into it (and the export is guided again at sampling); drawn
+    #    without guidance, the images are the policy's own and the expected self-training gradient is ~0
+    "image_elbo_cfg1": Cell("image_elbo", (("sampling.cfg_scale", 1.0),),
+                            "image ELBO, A >= 0, rollouts without guidance (the conditional's own samples)"),
 }
 
 
@@ -135,8 +142,8 @@ def append(path, rec):
     f.write(json.dumps(rec) + "\n")
 
 
-def base_measure(workdir, split, which, sampling, seeds):
-  path = os.path.join(workdir, "base.jsonl")
+def base_measure(record, split, which, sampling, seeds):
+  path = os.path.join(record, "base.jsonl")
   for r in read_jsonl(path):
     if r["split"] == split and r["sampling"] == which and r["seeds"] == list(seeds):
       return r
@@ -149,7 +156,8 @@ def base_measure(workdir, split, which, sampling, seeds):
 
 def study(args):
   os.makedirs(args.workdir, exist_ok=True)
-  results = os.path.join(args.workdir, "results.jsonl")
+  os.makedirs(args.record, exist_ok=True)
+  results = os.path.join(args.record, "results.jsonl")
   seeds = [int(s) for s in args.seeds.split(",")]
   sample_seeds = [int(s) for s in args.sample_seeds.split(",")]
   variants = sampling_variants(args.extra)
@@ -160,7 +168,7 @@ def study(args):
   arms = (True,) if args.controls_only else (False, True) if args.controls else (False,)
   runs = [(c, s, ctl) for c in cells for s in seeds for ctl in arms]
   for which, sampling in variants.items():
-    base_measure(args.workdir, args.split, which, sampling, sample_seeds)
+    base_measure(args.record, args.split, which, sampling, sample_seeds)
   for i, (name, seed, control) in enumerate(runs):
     tag = dict(cell=name, seed=seed, control=control, split=args.split, seeds=sample_seeds, images=args.budget)
     done = {r["sampling"] for r in read_jsonl(results) if all(r.get(k) == v for k, v in tag.items())}
@@ -202,13 +210,15 @@ def main():
   ap.add_argument("--sample_seeds", default="0,1,2")
   ap.add_argument("--extra", action="store_true", help="also 16 AR steps and CFG 2 on the split")
   ap.add_argument("--workdir", default="runs/study")
+  ap.add_argument("--record", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                  help="folder of results.jsonl / base.jsonl / grad_snr.jsonl (committed with the study)")
   ap.add_argument("--budget", type=int, default=BUDGET, help="rollout images per run (a smaller one: a smoke run)")
   ap.add_argument("--summarize", action="store_true")
   ap.add_argument("--doc", default="docs/estimators.md")
   args = ap.parse_args()
   if args.summarize:
     from estimator_summary import summarize  # noqa: PLC0415 (benchmarks/estimator_summary.py)
-    summarize(args.workdir, args.doc)
+    summarize(args.record, args.doc)
   else:
     study(args)
 

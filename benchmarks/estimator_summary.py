@@ -1,6 +1,7 @@
-r"""The estimator study's tables and figure, from ``W/results.jsonl`` and ``W/base.jsonl`` (estimator_study.py).
+r"""The estimator study's tables and figure, from ``R/results.jsonl`` and ``R/base.jsonl`` (estimator_study.py;
+``R`` is the committed record, ``benchmarks/results``).
 
-    python benchmarks/estimator_study.py --summarize [--workdir=runs/study] [--doc=docs/estimators.md]
+    python benchmarks/estimator_study.py --summarize [--record=benchmarks/results] [--doc=docs/estimators.md]
 
 For every split and sampling setting, one row per cell (and per control): the number of training seeds, the
 strict-pass gain over the base (each training seed's gain is paired with the base on the same sampling seeds and
@@ -8,8 +9,12 @@ averaged over them; the row shows the mean over training seeds +- its standard e
 the per-task gains, the partial-score gain, diversity relative to the base's, the drift from the base, the
 training wall time and images/s, and the raw last iterate's gain. The tables replace the text between the
 ``<!-- study:begin -->`` and ``<!-- study:end -->`` markers of the doc; the figure (``estimators.png`` beside it)
-shows each cell's per-seed gains on the validation split. Grad-SNR lines come from ``W/grad_snr.jsonl`` (one
+shows each cell's per-seed gains on the validation split. Grad-SNR lines come from ``R/grad_snr.jsonl`` (one
 ``benchmarks/grad_snr.py`` JSON line per estimator), when present.
+
+``R/archive.json`` holds table rows whose per-sampling-seed records were not kept (the rows as the summary printed
+them, with their per-seed strict gains); such a row is shown, marked ``(a)``, until a new record of the same cell,
+control and split replaces it.
 """
 from __future__ import annotations
 
@@ -73,14 +78,23 @@ def _pm(v, digits=3):
   return f"{m:+.{digits}f}" + ("" if np.isnan(se) else f" +- {se:.{digits}f}")
 
 
+def _header(r) -> str:
+  if "header" in r:
+    return r["header"]
+  return (f"base strict pass {r['base']:.3f}, mean of sampling seeds {', '.join(map(str, r['sampling_seeds']))}; "
+          f"single_object {r['base_tasks']['single_object']:.3f}")
+
+
 def table(split, sampling, rs) -> str:
-  b = rs[0]
-  lines = [f"### split `{split}`, sampling `{sampling}` (base strict pass {b['base']:.3f}, mean of sampling seeds "
-           f"{', '.join(map(str, b['sampling_seeds']))}; single_object {b['base_tasks']['single_object']:.3f})", "",
+  header = next((_header(r) for r in rs if "header" not in r), _header(rs[0]))
+  lines = [f"### split `{split}`, sampling `{sampling}` ({header})", "",
            "| cell | seeds | strict gain (each seed) | single | two | counting | position | partial | raw iterate | "
            "diversity x base | drift | train min | images/s |",
            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rs:
+    if "line" in r:  # an archived row, as printed when it was measured
+      lines.append(r["line"].replace(" | ", " (a) | ", 1))
+      continue
     g = r["gain"]
     each = ", ".join(f"{x:+.3f}" for x in g["strict"])
     name = f"{r['cell']} (shuffled control)" if r["control"] else f"**{r['cell']}**"
@@ -122,12 +136,27 @@ def figure(rs, path):
   plt.close(fig)
 
 
-def summarize(workdir: str, doc: str):
-  results, bases = _jsonl(os.path.join(workdir, "results.jsonl")), _jsonl(os.path.join(workdir, "base.jsonl"))
-  by = rows(results, bases)
+def with_archive(by, archive):
+  """Adds the archived rows that no new record replaces (same split, sampling, cell and control)."""
+  for a in archive:
+    key = (a["split"], a["sampling"])
+    if any(r["cell"] == a["cell"] and r["control"] == a["control"] for r in by.get(key, [])):
+      continue
+    by[key].append(dict(a, gain={"strict": a["strict"]}))
+  for v in by.values():
+    v.sort(key=lambda r: (-np.mean(r["gain"]["strict"]) if not r["control"] else 1.0, r["cell"], r["control"]))
+  return by
+
+
+def summarize(record: str, doc: str):
+  results, bases = _jsonl(os.path.join(record, "results.jsonl")), _jsonl(os.path.join(record, "base.jsonl"))
+  path = os.path.join(record, "archive.json")
+  archive = json.load(open(path)) if os.path.exists(path) else {"rows": [], "grad_snr": []}
+  by = with_archive(rows(results, bases), archive["rows"])
   order = sorted(by, key=lambda k: (["val", "eval", "grammar"].index(k[0]), k[1] != "default", k[1]))
   parts = [table(split, sampling, by[(split, sampling)]) for split, sampling in order]
-  snrs = _jsonl(os.path.join(workdir, "grad_snr.jsonl"))
+  snrs = _jsonl(os.path.join(record, "grad_snr.jsonl"))
+  snrs += [a for a in archive["grad_snr"] if a["variant"] not in {x["variant"] for x in snrs}]
   if snrs:
     parts.append("### grad-SNR (benchmarks/grad_snr.py: mean pairwise cosine of the gradients of disjoint image "
                  "sets, real vs shuffled advantages)\n\n" + snr_table(snrs))
@@ -142,5 +171,5 @@ def summarize(workdir: str, doc: str):
       with open(doc, "w") as f:
         f.write(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
       print(f"wrote the tables into {doc}")
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
+  with open(os.path.join(record, "summary.json"), "w") as f:
     json.dump({f"{k[0]}/{k[1]}": v for k, v in by.items()}, f)

@@ -272,7 +272,7 @@ def read_model_config(directory: str, what: str = "checkpoint", family: str | No
     raise CheckpointError(f"{cfg_path} names model family {model_cfg.family!r}, not one of "
                           f"{', '.join(families.REGISTRY)}.")
   if family is not None and model_cfg.family != family:
-    raise CheckpointError(f"{what} {directory} holds a {model_cfg.family!r} model, not a {family!r} one.")
+    raise CheckpointError(f"{what} {directory} holds a model of family {model_cfg.family!r}, not {family!r}.")
   return model_cfg
 
 

@@ -6,14 +6,15 @@
 pipeline ``transformer/``) the base was converted from, with the fine-tuned weights (``convert/official.py``: the
 converters' exact inverse). That official checkpoint is the one the export records (``source.json``: the
 converter writes it, the RL and export jobs carry it on); ``--template`` names it when it has moved or was never
-recorded. A mismatch ends in one sentence and exit code 2.
+recorded. A mismatch ends in one sentence and exit code 2; ``--out`` must be a new path.
 """
 from __future__ import annotations
 
 import json
-import sys
 
 from absl import app, flags
+
+from margrpo_jax import cli
 
 _FAMILY = flags.DEFINE_string("family", None, "mar, harmon or nova")
 _SRC = flags.DEFINE_string("src", None, "the fine-tuned export (model.json + params/), e.g. an RL run's W/export")
@@ -23,20 +24,18 @@ _OUT = flags.DEFINE_string("out", None, "where to write: a .pth file (mar, harmo
 
 
 def main(argv):
-  del argv
+  cli.check_args(argv, {"family": _FAMILY, "src": _SRC, "out": _OUT})
+  out = cli.check_new_output(_OUT.value)
   from margrpo_jax import checkpoint
   from margrpo_jax.convert import core, official
-  missing = [n for n, f in (("family", _FAMILY), ("src", _SRC), ("out", _OUT)) if not f.value]
-  if missing:
-    print(f"error: --{missing[0]} is required.", file=sys.stderr)
-    sys.exit(2)
   try:
-    report = official.export(_FAMILY.value, _SRC.value, _TEMPLATE.value, _OUT.value)
+    report = official.export(_FAMILY.value, _SRC.value, _TEMPLATE.value, out)
   except (core.ConversionError, checkpoint.CheckpointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(cli.sentence(e))
+  except OSError as e:
+    cli.fail(f"writing {out} failed: {e.strerror or e}.", code=1)
   print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import importlib
 import logging as std_logging
-import os
 import re
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from margrpo_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
@@ -61,21 +61,20 @@ class _QuietOrbax:
 
 def main(argv):
   logging.get_absl_handler().python_handler.addFilter(_QuietOrbax())  # ABSLHandler skips its own filters
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.check_args(argv, {})
   if not (_WORKDIR.value or "").strip():
-    _fail("--workdir is required and must not be empty (the directory for checkpoints, logs and outputs).")
+    cli.fail("--workdir is required and must not be empty (the directory for checkpoints, logs and outputs).")
   from margrpo_jax import fileio
   try:
     fileio.check_scheme(_WORKDIR.value, "--workdir")
   except fileio.UnsupportedPath as e:
-    _fail(_sentence(e))
+    cli.fail(cli.sentence(e))
   try:
     config = _CONFIG.value
     _ = config.mode  # the flag defers load errors to the first attribute access
   except Exception as e:  # noqa: BLE001 - a config file that is missing or raises
     detail = [l.strip() for l in str(e).splitlines() if l.strip()][-1]
-    _fail(f"--config could not be loaded: {detail}.")
+    cli.fail(f"--config could not be loaded: {detail}.")
   import jax
   jax.config.update("jax_threefry_partitionable", True)
   from margrpo_jax import checkpoint, config_files, interrupt, workdir_lock
@@ -86,37 +85,21 @@ def main(argv):
     try:
       mesh.initialize(config.parallel)  # multi-host: before anything touches the devices
     except mesh.CoordinatorError as e:
-      _fail(_sentence(e))
+      cli.fail(cli.sentence(e))
   interrupt.install()  # SIGTERM / SIGINT: a checkpoint and one line, never a traceback
   try:
     _dispatch(config, fileio.resolve(_WORKDIR.value), _ALLOW_CHANGES.value)
   except (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath,
           checkpoint.CheckpointError, prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError) as e:
-    _fail(_sentence(e))
+    cli.fail(cli.sentence(e))
   except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same
-    _fail(_sentence(e), code=1)
+    cli.fail(cli.sentence(e), code=1)
   except checkpoint.StorageError as e:
-    _fail(_sentence(e.strerror), code=1, hard=True)
+    cli.fail(cli.sentence(e.strerror), code=1, hard=True)
   except OSError as e:  # disk full, read-only or vanished folders: nothing already saved is touched
     where = f" {e.filename}" if e.filename else ""
-    _fail(f"writing or reading{where} failed: {e.strerror or e}; files already saved are untouched.", code=1,
-          hard=True)
-
-
-def _sentence(e: Exception) -> str:
-  msg = " ".join(str(e).split()).strip("'\"")
-  return msg if msg.endswith((".", "?", "!")) else msg + "."
-
-
-def _fail(msg: str, code: int = 2, hard: bool = False):
-  """Print the one sentence and exit; ``hard``: without interpreter shutdown, whose clean-up would report every
-  background save that the failure cut short (hundreds of tracebacks)."""
-  print(f"error: {msg}", file=sys.stderr)
-  if hard:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-  sys.exit(code)
+    cli.fail(f"writing or reading{where} failed: {e.strerror or e}; files already saved are untouched.", code=1,
+             hard=True)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -124,21 +107,18 @@ def parse_flags(argv: list[str]) -> list[str]:
   overrides = [a for a in argv[1:] if a.startswith("--config.")]
   try:
     return flags.FLAGS(argv)
-  except flags.IllegalFlagValueError as e:
-    lines = [l.strip() for l in str(e).replace("flag --", "--").splitlines() if l.strip()]
-    _fail(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")
   except (AttributeError, KeyError) as e:
     found = re.search(r"'(\w+)", str(e))
     name = found.group(1) if found else str(e)
     bad = [a for a in overrides if re.search(rf"\b{re.escape(name)}\b", a.split("=")[0])] or overrides
     hint = re.search(r'Did you mean "([^"]+)"', str(e))
-    _fail(f"{bad[0].split('=')[0] if bad else '--config'} names a key {name!r} that the config does not have"
-          + (f" (did you mean {hint.group(1)!r}?)." if hint else "."))
+    cli.fail(f"{bad[0].split('=')[0] if bad else '--config'} names a key {name!r} that the config does not have"
+             + (f" (did you mean {hint.group(1)!r}?)." if hint else "."))
   except flags.Error as e:
-    _fail(str(e).split("\n")[0].rstrip(".") + ".")
+    cli.fail(cli.flag_error(e))
   except Exception as e:  # noqa: BLE001 - config files are user code: report, don't trace
     cfg = next((a for a in argv[1:] if a.startswith("--config=")), "--config")
-    _fail(f"{cfg} could not be loaded: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}.")
+    cli.fail(f"{cfg} could not be loaded: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}.")
 
 
 def run():

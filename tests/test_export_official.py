@@ -90,5 +90,5 @@ def test_the_cli_refuses_a_foreign_export_in_one_sentence(tmp_path):
   r = subprocess.run([sys.executable, "-m", "margrpo_jax.export_official", "--family=mar",
                       f"--src={REPO / 'margrpo_jax' / 'assets' / 'shapes_base'}", f"--template={tmp_path / 'x.pth'}",
                       f"--out={tmp_path / 'o.pth'}"], capture_output=True, text=True, cwd=REPO, timeout=300)
-  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "'tiny' model" in r.stderr
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "family 'tiny'" in r.stderr
   assert "Traceback" not in r.stderr

@@ -53,5 +53,5 @@ def test_a_token_layout_that_does_not_match_its_tokenizer_is_one_sentence():
   with pytest.raises(checkpoint.CheckpointError, match="token_dim=48 do not match the tokenizer 'shapes_tokenizer'"):
     tiny.check_tokenizer(cfg, "config.model")
   cfg.vae_checkpoint = "shapes_base"  # a MAR export, not a tokenizer
-  with pytest.raises(checkpoint.CheckpointError, match="holds a 'tiny' model, not a 'vae' one"):
+  with pytest.raises(checkpoint.CheckpointError, match="holds a model of family 'tiny', not 'vae'"):
     tiny.check_tokenizer(cfg)

@@ -69,8 +69,10 @@ def _torch_load(path: str):
     raise ConversionError(
         f"{path} pickles {found.group(1)}, which is not loaded (unpickling can run code): re-save it as a state "
         "dict (torch.save(model.state_dict(), 'weights.pth')) or as safetensors.") from None
-  except (RuntimeError, EOFError, OSError) as e:
-    raise ConversionError(f"{path} is not a readable PyTorch checkpoint ({str(e).splitlines()[0]}).") from None
+  except (RuntimeError, EOFError, OSError, IndexError, KeyError, ValueError) as e:  # empty, truncated, not torch
+    detail = type(e).__name__ if isinstance(e, (IndexError, KeyError)) or not str(e) else str(e).splitlines()[0]
+    raise ConversionError(f"{path} is not a readable PyTorch checkpoint (empty, truncated or another format: "
+                          f"{detail}).") from None
 
 
 def _safetensors_load(path: str) -> dict:
@@ -124,7 +126,10 @@ def state_dict(raw, prefer: Iterable[str] = ("model_ema", "ema", "state_dict", "
     if isinstance(raw.get(key), Mapping):
       raw = raw[key]
       break
-  return {k: _to_numpy(v) for k, v in _flatten(raw).items()}
+  out = {k: _to_numpy(v) for k, v in _flatten(raw).items()}
+  if not out:
+    raise ConversionError(f"{origin} holds no tensors.")
+  return out
 
 
 def flat_paths(tree, prefix="") -> dict[str, tuple]:
@@ -193,11 +198,23 @@ class Converter:
     if _TRACING[0] and value.dtype != np.int64:
       raise ConversionError(f"target {path!r} is computed from {key or 'the source'} ({value.dtype}), not copied: it "
                             "cannot be written back to the official layout.")
+    if not _TRACING[0]:
+      if not np.issubdtype(value.dtype, np.floating):
+        raise ConversionError(f"{self.origin} key {key or path!r} holds {value.dtype} values; only floating-point "
+                              "weights are converted (dequantise or cast the checkpoint first).")
+      if not np.all(np.isfinite(value)):
+        raise ConversionError(f"{self.origin} key {key or path!r} holds {int(np.sum(~np.isfinite(value)))} NaN or "
+                              "Inf values.")
     self.filled[path] = value if _TRACING[0] else value.astype(want.dtype)
 
   def copy(self, path: str, key: str, fn: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
     x = self.get(key)
-    self.put(path, fn(x) if fn else x, key)
+    try:
+      y = fn(x) if fn else x
+    except (ValueError, IndexError) as e:  # a transpose / reshape of a weight of the wrong rank
+      raise ConversionError(f"{self.origin} key {key!r} has shape {tuple(x.shape)}, which does not fit target "
+                            f"{path!r} ({str(e).splitlines()[0]}).") from None
+    self.put(path, y, key)
 
   # -- layers ---------------------------------------------------------------------------------------------------
   def dense(self, path: str, key: str) -> None:

@@ -121,7 +121,7 @@ def export(family: str, src: str, template: str | None, out: str) -> dict:
     raise core.ConversionError(f"--family={family!r} is not one of {', '.join(FAMILIES)}.")
   model_cfg, _, params = checkpoint.load_model(src)
   if model_cfg.family != family:
-    raise core.ConversionError(f"{src} holds a {model_cfg.family!r} model, not a {family!r} one.")
+    raise core.ConversionError(f"{src} holds a model of family {model_cfg.family!r}, not {family!r}.")
   template = template_of(src, template)
   params = jax.tree.map(np.asarray, params)
   if family == "nova":

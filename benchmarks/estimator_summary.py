@@ -129,7 +129,7 @@ def figure(rs, path):
   ax.axvline(0, color="k", lw=0.8)
   ax.set_yticks(range(len(rs)), [r["cell"] + (" (shuffled)" if r["control"] else "") for r in rs])
   ax.invert_yaxis()
-  ax.set_xlabel("strict-pass gain over the base (validation split, mean of 3 sampling seeds; dots: training seeds)")
+  ax.set_xlabel("strict-pass gain over the base\n(validation split, mean of 3 sampling seeds; dots: training seeds)")
   ax.grid(axis="x", alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

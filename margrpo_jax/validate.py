@@ -212,6 +212,11 @@ def check_rl(config) -> None:
       raise ConfigError(f"config.init='random': no tiny instance of the {family!r} family (one of "
                         f"{', '.join(random_instance.FAMILIES)})")
     model_cfg, cls = config.model, families.generator(family)
+    given = [k for k in ("vae_checkpoint", "tokenizer_path") if config.model.get(k)]
+    if given:  # materialize() writes its own random VAE and tokenizer: a user's path would be dropped silently
+      raise ConfigError(f"config.init='random' builds its own random-weight VAE and tokenizer, so "
+                        f"config.model.{given[0]}={config.model[given[0]]!r} would be ignored: drop it, or set "
+                        "config.checkpoint to a converted export to use real parts")
   else:
     path = config.checkpoint or ("shapes_base" if not config.get("model") else "")
     if not path:

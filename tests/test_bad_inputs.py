@@ -116,6 +116,8 @@ CASES = [
     ("rl_prompt_file_missing", "main", [HARMON, "--config.rl.prompt_file=/no/such/prompts.txt"],
      "/no/such/prompts.txt"),
     ("random_init_family", "main", [RL, "--config.init=random"], "no tiny instance of the 'tiny' family"),
+    ("random_init_user_vae", "main", [HARMON, "--config.model.vae_checkpoint=/my/vae"],
+     "config.model.vae_checkpoint='/my/vae' would be ignored"),
     ("convert_random_bytes", "convert", ["--family=mar", "--src={T}/weights.safetensors", "--out={W}"],
      "weights.safetensors"),
     ("convert_family", "convert", ["--family=dalle", "--src={T}/weights.safetensors", "--out={W}"], "dalle"),

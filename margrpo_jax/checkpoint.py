@@ -279,10 +279,12 @@ def read_model_config(directory: str, what: str = "checkpoint", family: str | No
 def _abstract_params(model_cfg, directory: str):
   """``(graphdef, abstract params)`` of the model ``model.json`` describes, or one sentence."""
   cls = model_class(model_cfg.family)
-  if issubclass(cls, families.Generator):  # e.g. a shapes-world model whose tokenizer does not make its tokens
-    cls.check_config(model_cfg, f"checkpoint {directory}")
   try:
+    if issubclass(cls, families.Generator):  # e.g. a shapes-world model whose tokenizer does not make its tokens
+      cls.check_config(model_cfg, f"checkpoint {directory}")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
+  except CheckpointError:
+    raise
   except Exception as e:  # noqa: BLE001 - a model.json whose values cannot build the model
     raise CheckpointError(f"{directory}/model.json does not describe a buildable {model_cfg.family} model "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).") from None

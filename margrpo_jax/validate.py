@@ -45,6 +45,8 @@ AT_LEAST = {
     "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
     "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1,
 }
+MAX_SEED = 2 ** 31 - 1
+AT_MOST = {"eval.num_prompts": 100_000, "max_prompts": 1_000_000}  # prompt lists held in memory
 # key -> (low, high, low included, high included) for floats (NaN is never in range)
 IN_RANGE = {
     "optim.lr": (0, INF, False, False), "optim.b1": (0, 1, True, False), "optim.b2": (0, 1, True, False),
@@ -98,6 +100,10 @@ def check_values(config) -> None:
     present, v = _has(config, key)
     if present and not isinstance(v, (dict,)) and hasattr(v, "__int__") and v < low:
       raise ConfigError(f"{key}={v} must be at least {low}")
+    if present and key.endswith("seed") and isinstance(v, int) and v > MAX_SEED:
+      raise ConfigError(f"{key}={v} must be at most {MAX_SEED} (a 32-bit PRNG seed)")
+    if present and key in AT_MOST and isinstance(v, int) and v > AT_MOST[key]:
+      raise ConfigError(f"{key}={v} must be at most {AT_MOST[key]:,}")
   for key, (lo, hi, lo_in, hi_in) in IN_RANGE.items():
     present, v = _has(config, key)
     if not present or isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -191,6 +197,26 @@ def _check_export(path: str, what: str, mode: str):
   return model_cfg, cls
 
 
+def _check_model(config, model_cfg, what: str) -> None:
+  """The model ``model_cfg`` describes builds (abstractly: shapes only, nothing allocated) and the sampler's
+  settings fit it (no more AR steps than image tokens)."""
+  from flax import nnx
+  from margrpo_jax.models import families
+  from margrpo_jax.sampling import sampler
+  try:
+    model = nnx.eval_shape(lambda: families.build(model_cfg))
+  except Exception as e:  # noqa: BLE001 - any value that cannot build the model (heads, groups, widths)
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ConfigError(f"{what} does not build a {model_cfg.family} model ({detail})") from None
+  seq_len = getattr(getattr(model, "backbone", None), "seq_len", None)
+  if "sampling" in config and isinstance(seq_len, int) and not families.get(model_cfg.family).own_sampler():
+    try:
+      sampler.mask_schedule(sampler.SamplerConfig().mask_schedule, seq_len, config.sampling.num_steps)
+    except ValueError:
+      raise ConfigError(f"sampling.num_steps={config.sampling.num_steps} must lie in [1, {seq_len}]: the model "
+                        f"decodes {seq_len} image tokens, at least one per AR step") from None
+
+
 def check_rl(config) -> None:
   from margrpo_jax.rewards import registry
   from margrpo_jax.rl import config as rl_config
@@ -212,6 +238,7 @@ def check_rl(config) -> None:
       raise ConfigError(f"config.init='random': no tiny instance of the {family!r} family (one of "
                         f"{', '.join(random_instance.FAMILIES)})")
     model_cfg, cls = config.model, families.generator(family)
+    _check_model(config, model_cfg, "config.model")
     given = [k for k in ("vae_checkpoint", "tokenizer_path") if config.model.get(k)]
     if given:  # materialize() writes its own random VAE and tokenizer: a user's path would be dropped silently
       raise ConfigError(f"config.init='random' builds its own random-weight VAE and tokenizer, so "
@@ -223,6 +250,7 @@ def check_rl(config) -> None:
       raise ConfigError(f"config.checkpoint is not set: a {config.model.family} run needs a converted export "
                         "(python -m margrpo_jax.convert)")
     model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
+    _check_model(config, model_cfg, f"the model.json of {path}")
   from margrpo_jax.rl import estimators
   if estimators.get(config.rl.estimator).REENCODES and not cls.can_encode():
     raise ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the images, and "
@@ -266,6 +294,12 @@ def _check_rl_prompts(config, model_cfg, cls, verifier) -> None:
 
 def check_eval(config) -> None:
   from margrpo_jax.rewards import registry
+  if config.get("dataset") == "shapes_world":
+    from margrpo_jax.data import shapes
+    bad = [x for x in str(config.split).split(",") if x.strip() not in shapes.SPLITS]
+    if bad:
+      raise ConfigError(f"split={config.split!r} names {bad[0].strip()!r}, not a shapes-world split "
+                        f"({', '.join(shapes.SPLITS)})")
   entries = [p.strip() for p in (config.checkpoints or "base").split(",")]
   if any(not p for p in entries):
     raise ConfigError(f"checkpoints={config.checkpoints!r} has an empty entry (write 'base' for the shipped base)")
@@ -280,10 +314,15 @@ def check_eval(config) -> None:
 
 def check_sample(config) -> None:
   if config.checkpoint:
-    _check_export(config.checkpoint, "config.checkpoint", "sample")
+    model_cfg, _ = _check_export(config.checkpoint, "config.checkpoint", "sample")
+    _check_model(config, model_cfg, f"the model.json of {config.checkpoint}")
   elif config.get("model") and config.get("init") != "random":
     raise ConfigError("config.checkpoint is not set: convert the official weights with `python -m "
                       "margrpo_jax.convert` and pass the output folder")
+  elif config.get("init") == "random":
+    _check_model(config, config.model, "config.model")
+  else:
+    _check_model(config, checkpoint.read_model_config(checkpoint.resolve("shapes_base")), "the shipped base")
 
 
 def check_prompt_file(config) -> None:
@@ -295,8 +334,28 @@ def check_prompt_file(config) -> None:
 MODE_CHECKS = {"rl": check_rl, "eval": check_eval, "sample": check_sample}  # a job's own checks: its check()
 
 
+# mode -> the shipped config written for it: a config switched to a mode must have that config's top-level keys
+MODE_CONFIGS = {"sample": "shapes_sample", "rl": "shapes_rl", "export": "shapes_rl", "pretrain": "shapes_pretrain",
+                "eval": "shapes_eval", "tokenizer": "shapes_tokenizer", "ablation": "shapes_ablation"}
+
+
+def check_keys(config) -> None:
+  """A config switched to another mode (``--config.mode=export`` on the sample config) lacks keys that mode's job
+  reads: refused naming them, instead of failing inside the job."""
+  name = MODE_CONFIGS.get(config.mode)
+  if name is None:
+    return
+  from margrpo_jax import config_files
+  missing = sorted(set(config_files.load(name).keys()) - set(config.keys()))
+  if missing:
+    raise ConfigError(f"config.mode={config.mode!r} needs the key{'s' if len(missing) > 1 else ''} "
+                      f"{', '.join(missing)}, which this config does not have: start from a config written for that "
+                      f"mode (configs/{name}.py)")
+
+
 def check(config, workdir: str) -> None:
   """All of the above for ``config.mode``; resolves ``rl.fidelity`` in place first."""
+  check_keys(config)
   if "rl" in config:
     from margrpo_jax.rl import config as rl_config
     for change in rl_config.resolve_fidelity(config):

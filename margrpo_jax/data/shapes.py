@@ -615,6 +615,9 @@ def task_pools(split: str) -> dict[str, list[dict]]:
 EVAL_PER_TASK = 128
 
 
+SPLITS = ("train", "val", "eval")
+
+
 def split_records(split: str, num_train: int = 20000, seed: int = 0) -> list[dict]:
   """Deterministic records of a split (see the module docstring for the scheme).
 
@@ -622,7 +625,7 @@ def split_records(split: str, num_train: int = 20000, seed: int = 0) -> list[dic
   ``num_train`` unused). 'train': ``num_train`` records, record k of task TASKS[k % 4], drawn by
   walking seeded permutations of that task's train pool.
   """
-  pools = _pools_cached(split) if split in ("train", "val", "eval") else None
+  pools = _pools_cached(split) if split in SPLITS else None
   if pools is None:
     raise ValueError(f"split must be 'train', 'val' or 'eval', got {split!r}.")
   if split != "train":

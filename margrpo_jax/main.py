@@ -40,15 +40,9 @@ def _dispatch(config, workdir: str, allow_changes: bool = False):
   from margrpo_jax import workdir_lock
   from margrpo_jax.parallel import hosts
   job = importlib.import_module(JOBS[config.mode])
-  try:
-    validate.check(config, workdir)  # every value and combination, before anything is loaded or written
-    if hasattr(job, "check"):  # the job's own checks (the ablation job validates each of its runs' configs)
-      job.check(config)
-  except (AttributeError, KeyError) as e:  # a config written for another mode lacks keys this mode reads
-    found = re.search(r"'(\w+)'", str(e))
-    raise UserError(f"config.mode={config.mode!r} reads the key {found.group(1) if found else str(e)!r}, which this "
-                    f"config does not have: use a config written for that mode (configs/shapes_{config.mode}.py "
-                    "or a family's config)") from None
+  validate.check(config, workdir)  # every value and combination, before anything is loaded or written
+  if hasattr(job, "check"):  # the job's own checks (the ablation job validates each of its runs' configs)
+    job.check(config)
   lock = workdir_lock.acquire(workdir) if config.mode in LOCKED and hosts.is_main() else None
   try:
     if config.mode in validate.RESUMABLE:

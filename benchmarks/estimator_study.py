@@ -86,6 +86,9 @@ CELLS = {
     #    without guidance, the images are the policy's own and the expected self-training gradient is ~0
     "image_elbo_cfg1": Cell("image_elbo", (("sampling.cfg_scale", 1.0),),
                             "image ELBO, A >= 0, rollouts without guidance (the conditional's own samples)"),
+    #    the converse prediction: cleaner rollouts (a higher guidance scale) drift less
+    "image_elbo_cfg5": Cell("image_elbo", (("sampling.cfg_scale", 5.0),),
+                            "image ELBO, A >= 0, rollouts at CFG 5 (exports read at CFG 3 as every cell)"),
 }
 
 

@@ -89,6 +89,8 @@ CELLS = {
     #    the converse prediction: cleaner rollouts (a higher guidance scale) drift less
     "image_elbo_cfg5": Cell("image_elbo", (("sampling.cfg_scale", 5.0),),
                             "image ELBO, A >= 0, rollouts at CFG 5 (exports read at CFG 3 as every cell)"),
+    "image_elbo_cfg7": Cell("image_elbo", (("sampling.cfg_scale", 7.0),),
+                            "image ELBO, A >= 0, rollouts at CFG 7 (exports read at CFG 3 as every cell)"),
 }
 
 

@@ -282,7 +282,7 @@ def _abstract_params(model_cfg, directory: str):
   try:
     if issubclass(cls, families.Generator):  # e.g. a shapes-world model whose tokenizer does not make its tokens
       cls.check_config(model_cfg, f"checkpoint {directory}")
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
+    graphdef, state = nnx.split(families.abstract(model_cfg))
   except CheckpointError:
     raise
   except Exception as e:  # noqa: BLE001 - a model.json whose values cannot build the model

@@ -8,12 +8,14 @@ the same prompts, seed and batch size give the same images, bit for bit on CPU.
 """
 from __future__ import annotations
 
+import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families
@@ -26,6 +28,29 @@ def sampler_config(cfg) -> sampler_lib.SamplerConfig:
   """``SamplerConfig`` from a config's ``sampling`` block."""
   return sampler_lib.SamplerConfig(num_steps=cfg.num_steps, cfg_scale=cfg.cfg_scale, cfg_schedule=cfg.cfg_schedule,
                                    temperature=cfg.temperature, clip_denoised=float(cfg.get("clip_denoised", 0.0)))
+
+
+_TRACED: set[str] = set()
+
+
+def trace(model_cfg, sampling) -> None:
+  """Trace the sampler on one prompt abstractly (``jax.eval_shape``: shapes only, nothing computed), so that a
+  model config or sampling setting the model cannot run raises here instead of inside a job. Remembered per
+  value of ``(model_cfg, sampling)``."""
+  key = json.dumps([model_cfg.to_dict(), dict(sampling.to_dict() if hasattr(sampling, "to_dict") else sampling)],
+                   sort_keys=True, default=repr)
+  if key in _TRACED:
+    return
+  family = families.get(model_cfg.family)
+  graphdef, state = nnx.split(families.abstract(model_cfg))
+  ids = jax.ShapeDtypeStruct((1,) if family.condition_ndim == 1 else (1, model_cfg.text.max_len), jnp.int32)
+  if family.own_sampler():
+    fn = family.make_sample_fn(graphdef, model_cfg, sampling)
+  else:
+    diff = gaussian.make_diffusion(model_cfg.diffusion.num_train_steps, sampling.diffusion_steps)
+    fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_config(sampling), ids_ndim=ids.ndim)
+  jax.eval_shape(fn, nnx.to_pure_dict(state), ids, jax.random.key(0))
+  _TRACED.add(key)
 
 
 def generate(graphdef, params, model_cfg, prompts: list[str], sampling, seed: int, batch_size: int,

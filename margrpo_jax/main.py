@@ -32,17 +32,34 @@ class UserError(Exception):
   """An error with a one-sentence message for the user."""
 
 
-def _dispatch(config, workdir: str, allow_changes: bool = False):
-  """Validate the whole config (``validate.py``), make sure a rerun is the same run, then run the job."""
+def user_errors() -> tuple[type[Exception], ...]:
+  """The exceptions that carry a user's mistake as one sentence (``error: ...``, exit code 2)."""
+  from margrpo_jax import checkpoint, config_files, fileio, workdir_lock
+  from margrpo_jax.data import prompt_files
+  from margrpo_jax.models import families
+  return (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath,
+          checkpoint.CheckpointError, prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError)
+
+
+def prepare(config, workdir: str):
+  """Every check of ``config`` for its mode, before anything is loaded or written: ``validate.check`` (every value
+  and combination), then the job's own ``check`` (e.g. the ablation job validates each of its runs' configs).
+  Returns the job's module; raises one of :func:`user_errors`."""
   from margrpo_jax import validate
   if config.mode not in JOBS:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
-  from margrpo_jax import workdir_lock
-  from margrpo_jax.parallel import hosts
   job = importlib.import_module(JOBS[config.mode])
-  validate.check(config, workdir)  # every value and combination, before anything is loaded or written
-  if hasattr(job, "check"):  # the job's own checks (the ablation job validates each of its runs' configs)
+  validate.check(config, workdir)
+  if hasattr(job, "check"):
     job.check(config)
+  return job
+
+
+def _dispatch(config, workdir: str, allow_changes: bool = False):
+  """Validate the whole config (:func:`prepare`), make sure a rerun is the same run, then run the job."""
+  from margrpo_jax import validate, workdir_lock
+  from margrpo_jax.parallel import hosts
+  job = prepare(config, workdir)
   lock = workdir_lock.acquire(workdir) if config.mode in LOCKED and hosts.is_main() else None
   try:
     if config.mode in validate.RESUMABLE:
@@ -77,9 +94,7 @@ def main(argv):
     cli.fail(f"--config could not be loaded: {detail}.")
   import jax
   jax.config.update("jax_threefry_partitionable", True)
-  from margrpo_jax import checkpoint, config_files, interrupt, workdir_lock
-  from margrpo_jax.data import prompt_files
-  from margrpo_jax.models import families
+  from margrpo_jax import checkpoint, interrupt
   from margrpo_jax.parallel import mesh
   if "parallel" in config:
     try:
@@ -89,8 +104,7 @@ def main(argv):
   interrupt.install()  # SIGTERM / SIGINT: a checkpoint and one line, never a traceback
   try:
     _dispatch(config, fileio.resolve(_WORKDIR.value), _ALLOW_CHANGES.value)
-  except (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath,
-          checkpoint.CheckpointError, prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError) as e:
+  except user_errors() as e:
     cli.fail(cli.sentence(e))
   except checkpoint.NonFiniteError as e:  # not the user's doing, but one sentence all the same
     cli.fail(cli.sentence(e), code=1)

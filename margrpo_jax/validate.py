@@ -29,6 +29,7 @@ from absl import logging
 from margrpo_jax import checkpoint, fileio
 from margrpo_jax.config_files import ConfigError
 from margrpo_jax.models import objective
+from margrpo_jax.sampling import sampler
 
 INF = math.inf
 
@@ -43,7 +44,7 @@ AT_LEAST = {
     "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.mte_seeds": 0,
     "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1,
     "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
-    "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1,
+    "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1, "parallel.init_timeout_s": 1,
 }
 MAX_SEED = 2 ** 31 - 1
 AT_MOST = {"eval.num_prompts": 100_000, "max_prompts": 1_000_000}  # prompt lists held in memory
@@ -60,13 +61,14 @@ IN_RANGE = {
     "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.topk_fraction": (0, 1, True, True),
     "rl.ema_decay": (0, 1, True, False), "rl.flow_noise_level": (0, INF, True, False),
     "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
-    "rl.pretrain_mix": (0, INF, True, False),
+    "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
 OPTIONS = {
     "optim.decay": ("constant", "cosine"), "sampling.cfg_schedule": ("linear", "constant"),
     "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": objective.MASK_RATIOS,
     "rl.mar_objective.mask_ratio": objective.MASK_RATIOS, "rl.compute_dtype": ("float32", "bfloat16"),
+    "init": ("", "random"), "sampling.mask_schedule": tuple(sampler.MASK_SCHEDULES),
 }
 # keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
 SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
@@ -130,6 +132,15 @@ def check_values(config) -> None:
   bad = [d for d in str(dtypes or "").split(",") if d.strip() not in ("float32", "bfloat16")] if present else []
   if dtypes and bad:
     raise ConfigError(f"plan.dtypes={dtypes!r} names {bad[0].strip()!r}, not float32 or bfloat16")
+  if "model" in config and hasattr(config.model, "to_dict"):
+    check_model_values(config.model, "config.model")
+  if "rewards" in config:
+    from margrpo_jax.rewards import clip_rewards
+    for name, settings in config.rewards.items():
+      for option, choices in clip_rewards.CHOICES.items():
+        v = settings.get(option, "")
+        if v and v not in choices:
+          raise ConfigError(f"rewards.{name}.{option}={v!r} is not one of {', '.join(choices)} ('' for the default)")
   if "rl" in config:
     for name, w in config.rl.get("rewards", {}).items():
       if isinstance(w, (int, float)) and not math.isfinite(w):
@@ -197,17 +208,42 @@ def _check_export(path: str, what: str, mode: str):
   return model_cfg, cls
 
 
+# the last part of a model-config key whose number must be above 0 (every other number: finite, integers >= 0)
+MODEL_POSITIVE = ("mlp_ratio", "eps", "rms_eps", "rope_theta", "rotary_fraction", "vae_scale", "scale")
+
+
+def check_model_values(model_cfg, what: str) -> None:
+  """The numbers of a model config: finite, integers (sizes, counts, ids) not negative, ratios, epsilons and
+  scales above 0. ``what``: ``'config.model'`` or where a ``model.json`` came from."""
+  for key, value in flatten(model_cfg.to_dict()).items():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, bool) or not isinstance(v, (int, float)):
+        continue
+      positive = key.rsplit(".", 1)[-1] in MODEL_POSITIVE
+      if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        name = f"config.model.{key}" if what == "config.model" else f"{what}: {key}"
+        raise ConfigError(f"{name}={value} must be a finite number {'above 0' if positive else 'of at least 0'}")
+
+
 def _check_model(config, model_cfg, what: str) -> None:
-  """The model ``model_cfg`` describes builds (abstractly: shapes only, nothing allocated) and the sampler's
-  settings fit it (no more AR steps than image tokens)."""
-  from flax import nnx
+  """The model ``model_cfg`` describes builds and runs the sampler on one prompt (abstractly: shapes only,
+  nothing allocated or computed), and the sampler's settings fit it (no more AR steps than image tokens)."""
+  from margrpo_jax import generate
   from margrpo_jax.models import families
-  from margrpo_jax.sampling import sampler
+  check_model_values(model_cfg, what)
   try:
-    model = nnx.eval_shape(lambda: families.build(model_cfg))
+    cls = families.generator(model_cfg.family, what)
+  except families.UnknownFamily as e:
+    raise ConfigError(str(e).rstrip(".")) from None
+  cls.check_config(model_cfg, what)
+  kind = model_cfg.get("diffusion", {}).get("kind", cls.head_kind)
+  if kind != cls.head_kind:
+    raise ConfigError(f"{what}: diffusion.kind={kind!r} must be {cls.head_kind!r}, the {model_cfg.family} family's "
+                      "diffusion head")
+  try:
+    model = families.abstract(model_cfg)
   except Exception as e:  # noqa: BLE001 - any value that cannot build the model (heads, groups, widths)
-    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise ConfigError(f"{what} does not build a {model_cfg.family} model ({detail})") from None
+    raise ConfigError(f"{what} does not build a {model_cfg.family} model ({first_line(e)})") from None
   seq_len = getattr(getattr(model, "backbone", None), "seq_len", None)
   if "sampling" in config and isinstance(seq_len, int) and not families.get(model_cfg.family).own_sampler():
     try:
@@ -215,6 +251,36 @@ def _check_model(config, model_cfg, what: str) -> None:
     except ValueError:
       raise ConfigError(f"sampling.num_steps={config.sampling.num_steps} must lie in [1, {seq_len}]: the model "
                         f"decodes {seq_len} image tokens, at least one per AR step") from None
+  if "sampling" in config:
+    try:
+      generate.trace(model_cfg, config.sampling)
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001 - a structure that builds but cannot run (heads, widths, schedules)
+      raise ConfigError(f"{what} with this config's sampling block cannot generate an image ({first_line(e)})"
+                        ) from None
+
+
+def first_line(e: Exception) -> str:
+  """An exception as ``Type: first line`` (for a sentence that reports what a trace raised)."""
+  return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e).strip() else type(e).__name__
+
+
+def check_learned_rewards(config, names, why: str) -> None:
+  """The files each learned reward of ``names`` reads (``registry.FILES``: its export, of the right family, and its
+  vocabulary) exist, before a run starts. ``why``: what asks for the reward (``{name}`` and ``{weight}`` filled)."""
+  from margrpo_jax.rewards import registry
+  for name in names:
+    for key, family in registry.FILES[name].items():
+      path, what = config.rewards[name].get(key), f"rewards.{name}.{key}"
+      if not path:
+        asked = why.format(name=name, weight=config.rl.rewards[name] if "rl" in config else "")
+        raise ConfigError(f"{asked} needs {what} (a converted reward model and its files; python -m "
+                          "margrpo_jax.convert)")
+      if family:
+        checkpoint.check_export(checkpoint.resolve(path), what, family)
+      elif not fileio.isfile(fileio.resolve(path)):
+        raise ConfigError(f"{what}={path} does not exist or is not a file")
 
 
 def check_rl(config) -> None:
@@ -227,10 +293,7 @@ def check_rl(config) -> None:
   unknown = [k for k in weights if k not in registry.names()]
   if unknown:
     raise ConfigError(f"rl.rewards.{unknown[0]} is not a reward in the registry ({', '.join(registry.names())})")
-  for name in weights:
-    if name in registry.LEARNED and not config.rewards[name].get("checkpoint"):
-      raise ConfigError(f"rl.rewards.{name}={weights[name]} needs rewards.{name}.checkpoint (a converted reward "
-                        "model; python -m margrpo_jax.convert)")
+  check_learned_rewards(config, [n for n in weights if n in registry.LEARNED], "rl.rewards.{name}={weight}")
   if config.get("init") == "random" and not config.checkpoint:
     from margrpo_jax.models import families, random_instance
     family = config.model.family if config.get("model") else "tiny"
@@ -293,7 +356,11 @@ def _check_rl_prompts(config, model_cfg, cls, verifier) -> None:
 
 
 def check_eval(config) -> None:
+  from margrpo_jax.data import tfds_builders
   from margrpo_jax.rewards import registry
+  if not config.get("prompt_file") and config.get("dataset") not in tfds_builders.NAMES:
+    raise ConfigError(f"dataset={config.get('dataset')!r} is not one of {', '.join(tfds_builders.NAMES)} (or set "
+                      "prompt_file)")
   if config.get("dataset") == "shapes_world":
     from margrpo_jax.data import shapes
     bad = [x for x in str(config.split).split(",") if x.strip() not in shapes.SPLITS]
@@ -310,6 +377,8 @@ def check_eval(config) -> None:
   bad = [n for n in names if n not in registry.names()]
   if bad:
     raise ConfigError(f"reward_names has {', '.join(bad)}, not in the registry ({', '.join(registry.names())})")
+  learned = [n for n in registry.LEARNED if n in names or n in registry.configured(config.get("rewards"))]
+  check_learned_rewards(config, learned, "reward_names naming {name}")
 
 
 def check_sample(config) -> None:
@@ -331,7 +400,12 @@ def check_prompt_file(config) -> None:
     raise ConfigError(f"prompt_file {path} does not exist or is not a file")
 
 
-MODE_CHECKS = {"rl": check_rl, "eval": check_eval, "sample": check_sample}  # a job's own checks: its check()
+def check_pretrain(config) -> None:
+  _check_model(config, config.model, "config.model")
+
+
+# a mode's checks that need the model or its files (a job with more of its own has a check(config))
+MODE_CHECKS = {"rl": check_rl, "eval": check_eval, "sample": check_sample, "pretrain": check_pretrain}
 
 
 # mode -> the shipped config written for it: a config switched to a mode must have that config's top-level keys

@@ -46,6 +46,17 @@ def test_presets_are_the_estimators_they_name():
   assert c.rl.topk_fraction < 1.0 and not c.rl.train_head
 
 
+def test_rollouts_have_their_own_guidance_scale():
+  """``rl.rollout_cfg_scale`` guides the rollouts only; the job's own eval and every reading of the export use
+  ``sampling.cfg_scale`` (0 = the rollouts use it too)."""
+  from margrpo_jax import config_files  # noqa: PLC0415
+  from margrpo_jax.rl import config as rl_config  # noqa: PLC0415
+  c = config_files.load("shapes_rl", "awm")
+  assert c.rl.rollout_cfg_scale == 0.0 and rl_config.step_config(c).sampler.cfg_scale == c.sampling.cfg_scale
+  c.rl.rollout_cfg_scale = 7.0
+  assert rl_config.step_config(c).sampler.cfg_scale == 7.0 and c.sampling.cfg_scale == 3.0
+
+
 @pytest.fixture(scope="module")
 def images(small_model):
   """The small model, its prompts' ids and one draw of four images' tokens (stand-ins for re-encoded images)."""

@@ -251,6 +251,8 @@ def _split_name(stem: str) -> str:
 
 
 _CONFIG_NAMES = tuple(c.name for c in PromptFiles.BUILDER_CONFIGS)
+# every name load_split / prepare accept
+NAMES = ("shapes_world", *_CONFIG_NAMES, *(f"prompt_files/{c}" for c in _CONFIG_NAMES))
 
 
 @contextlib.contextmanager

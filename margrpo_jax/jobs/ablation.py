@@ -39,6 +39,9 @@ def parse(config, workdir: str = "") -> list[tuple[str, int, object, str]]:
     seeds = [int(s) for s in str(config.seeds).split(",") if s.strip()]
   except ValueError:
     raise config_files.ConfigError(f"seeds={config.seeds!r} is not a comma-separated list of integers") from None
+  bad = [s for s in seeds if not 0 <= s <= validate.MAX_SEED]
+  if bad:
+    raise config_files.ConfigError(f"seeds={config.seeds!r} names {bad[0]}, not a seed in [0, {validate.MAX_SEED}]")
   variants = [v.strip() for v in config.variants.split(",") if v.strip()]
   if not seeds or not variants:
     raise config_files.ConfigError(f"seeds={config.seeds!r} and variants={config.variants!r} must each name at "

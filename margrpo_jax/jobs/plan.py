@@ -26,7 +26,7 @@ GIB = 2.0 ** 30
 
 def param_counts(model_cfg) -> dict[str, int]:
   """Parameters per top-level component, from abstract shapes."""
-  state = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: families.build(model_cfg))))
+  state = nnx.to_pure_dict(nnx.state(families.abstract(model_cfg)))
   return {k: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(v)) for k, v in state.items()}
 
 
@@ -77,7 +77,7 @@ def plan(config, emit=lambda line: None) -> list[str]:
     config.model.text.null_ids = [0]
     lines += ["harmon: model.text.null_ids is empty (no tokenizer given); a stand-in id is used (shapes only)"]
   rules = sharding.hashable_rules(config.parallel.rules)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: families.build(config.model)))
+  graphdef, state = nnx.split(families.abstract(config.model))
   params = nnx.to_pure_dict(state)
   params = _abstract(params, sharding.param_shardings(mesh, params, rules))
   rl_config.resolve_fidelity(config)

@@ -28,6 +28,7 @@ from clu import metric_writers, periodic_actions
 from flax import nnx
 
 from margrpo_jax import checkpoint, fileio, generate, optim, rng, validate
+from margrpo_jax.config_files import ConfigError
 from margrpo_jax.data import shapes
 from margrpo_jax.models import families, vae
 from margrpo_jax.parallel import hosts
@@ -59,6 +60,25 @@ def train_step(graphdef, tx, config, state: dict, images: jax.Array):
   updates, opt = tx.update(grads, state["opt"], state["params"])
   params = jax.tree.map(jnp.add, state["params"], updates)
   return dict(step=state["step"] + 1, params=params, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
+
+
+def check(config) -> None:
+  """The autoencoder config is a KL autoencoder that builds and runs its loss on one render (abstractly: shapes
+  only, nothing computed); otherwise one sentence."""
+  if config.model.family != "vae":
+    raise ConfigError(f"config.model.family={config.model.family!r} must be 'vae': the tokenizer job trains a KL "
+                      "autoencoder")
+  validate.check_model_values(config.model, "config.model")
+  try:
+    vae.check_config(config.model)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  images = jax.ShapeDtypeStruct((1, shapes.IMAGE_SIZE, shapes.IMAGE_SIZE, 3), jnp.uint8)
+  try:
+    jax.eval_shape(lambda x: ae_loss(families.build(config.model), x, jax.random.key(0), config.beta), images)
+  except Exception as e:  # noqa: BLE001 - any structure that cannot encode and decode a render
+    raise ConfigError(f"config.model cannot encode and decode a {shapes.IMAGE_SIZE} x {shapes.IMAGE_SIZE} render "
+                      f"({validate.first_line(e)})") from None
 
 
 def make_batch(step: int, batch_size: int, seed: int) -> np.ndarray:

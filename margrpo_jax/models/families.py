@@ -19,6 +19,7 @@ The other registered families (text encoders, reward models, autoencoders) are p
 from __future__ import annotations
 
 import importlib
+import json
 
 import ml_collections
 from flax import nnx
@@ -28,6 +29,7 @@ class Generator(nnx.Module):
   """Base class of the image-generator families (module docstring); subclasses set the class attributes."""
 
   policy_components: tuple[str, ...] = ()
+  head_kind: str = "gaussian"  # the diffusion head's process (model.diffusion.kind): 'gaussian' or 'flow'
   condition_ndim: int = 2
   encode_images = None
   make_sample_fn = None
@@ -83,3 +85,20 @@ def generator(family: str, what: str = "the model"):
 def build(model_cfg: ml_collections.ConfigDict, seed: int = 0):
   """The model of ``model_cfg.family`` (components are its top-level attributes: backbone, head, ...)."""
   return get(model_cfg.family)(model_cfg, rngs=nnx.Rngs(seed))
+
+
+_ABSTRACT: dict[str, nnx.Module] = {}
+
+
+def abstract(model_cfg: ml_collections.ConfigDict):
+  """The model of ``model_cfg`` built abstractly (``nnx.eval_shape``: shapes and dtypes, nothing allocated).
+
+  Cached by the config's value: tracing a build costs about a second even for the shapes-world model, and
+  validation, the export check and the plan all ask for the same one. Callers must not modify the result."""
+  key = json.dumps(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg), sort_keys=True,
+                   default=repr)
+  if key not in _ABSTRACT:
+    if len(_ABSTRACT) >= 16:
+      _ABSTRACT.pop(next(iter(_ABSTRACT)))
+    _ABSTRACT[key] = nnx.eval_shape(lambda: build(model_cfg))
+  return _ABSTRACT[key]

@@ -54,6 +54,22 @@ KINDS = {
 }
 
 
+LAYOUTS = ("ldm", "diffusers")  # parameter names of the LDM (KL-16) and diffusers (SD / SDXL) checkpoints
+
+
+def check_config(cfg: ml_collections.ConfigDict, what: str = "config.model") -> None:
+  """The option values of an autoencoder config: its kind and layout, attention levels that exist."""
+  if cfg.kind not in KINDS:
+    raise ValueError(f"{what}.kind={cfg.kind!r} is not one of {', '.join(KINDS)}")
+  if cfg.layout not in LAYOUTS:
+    raise ValueError(f"{what}.layout={cfg.layout!r} is not one of {', '.join(LAYOUTS)}")
+  for key in ("enc_attn_levels", "dec_attn_levels"):
+    levels = cfg[key]
+    if not isinstance(levels, (tuple, list)) or any(
+        isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < len(cfg.ch_mult) for l in levels):
+      raise ValueError(f"{what}.{key}={levels!r} must be levels of ch_mult, integers in [0, {len(cfg.ch_mult)})")
+
+
 def vae_config(kind: str = "kl16", **overrides) -> ml_collections.ConfigDict:
   """The architecture of ``kind`` (``kl16`` | ``sd`` | ``sdxl``), with ``overrides`` (e.g. tiny test widths)."""
   if kind not in KINDS:

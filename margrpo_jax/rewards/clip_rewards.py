@@ -60,6 +60,9 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PIL_BITS = 22  # PIL's PRECISION_BITS for 8-bit images
 CONVENTIONS = ("raw", "torchmetrics", "clipscore")
 RESIZE = ("pil", "tensor", "tensor_noaa")
+PICKSCORE_MODES = ("logit", "cosine")
+# config.rewards.<name>.<option> -> its choices ('' = the builder's default); validate.py checks them up front
+CHOICES = {"resize": RESIZE, "mode": PICKSCORE_MODES, "convention": CONVENTIONS}
 
 
 # -- preprocessing ----------------------------------------------------------------------------------------------
@@ -220,8 +223,8 @@ def hps(cfg) -> Callable:
 def pickscore(cfg) -> Callable:
   """PickScore v1: ``scale * exp(logit_scale) * cos`` (``mode='logit'``, default) or ``scale * cos`` (``'cosine'``)."""
   mode, scale = cfg.get("mode", "logit") or "logit", float(cfg.get("scale", 1.0))
-  if mode not in ("logit", "cosine"):
-    raise ValueError(f"rewards.pickscore.mode={mode!r} is not one of logit, cosine.")
+  if mode not in PICKSCORE_MODES:
+    raise ValueError(f"rewards.pickscore.mode={mode!r} is not one of {', '.join(PICKSCORE_MODES)}.")
   return _cosine_scorer(cfg, "pickscore", "pil",
                         lambda cos, ls: scale * (ls * cos if mode == "logit" else cos))
 

@@ -63,6 +63,13 @@ REWARDS: dict[str, Callable] = {  # verifier rewards: fn(images, metadatas)
     "jpeg_compressibility": jpeg_compressibility,
     "brightness": brightness,
 }
+# the files a learned reward reads from config.rewards.<name>: key -> the model family of the export there (None: a
+# plain file such as a tokenizer vocabulary); validate.py opens them before a run starts
+FILES: dict[str, dict[str, str | None]] = {
+    "hps": {"checkpoint": "clip", "vocab": None}, "pickscore": {"checkpoint": "clip", "vocab": None},
+    "clip_score": {"checkpoint": "clip", "vocab": None}, "aesthetic": {"checkpoint": "clip", "head": "aesthetic"},
+    "imagereward": {"checkpoint": "imagereward", "vocab": None},
+}
 NEEDS_SHAPES = ("shapes_partial", "shapes_strict", "shapes_dense")  # verifier rewards defined only on shapes-world metadata
 
 LEARNED: dict[str, str] = {  # learned rewards: "module:builder", build(cfg)(images, prompts)

@@ -60,6 +60,9 @@ def resolve_fidelity(config) -> list[str]:
   named in ``rl.official_except`` (comma-separated; they keep their configured value); returns the ``key=value``
   assignments that changed something."""
   if config.rl.fidelity != "official":
+    if str(config.rl.get("official_except", "")).strip():
+      raise config_files.ConfigError(f"rl.official_except={config.rl.official_except!r} only applies with "
+                                     f"rl.fidelity='official' (it is {config.rl.fidelity!r})")
     return []
   official = dict(OFFICIAL_NOVA if head_kind(config) == "flow" else OFFICIAL)
   keep = [k.strip() for k in str(config.rl.get("official_except", "")).split(",") if k.strip()]
@@ -100,7 +103,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   is_flow = head_kind(config, model_cfg) == "flow"
   est = estimators.get(rl.estimator)
   est_logp = getattr(est, "BATCH_LOGP", "chain")
-  scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps, cfg_scale=config.sampling.cfg_scale,
+  scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps,
+                                   cfg_scale=rl.get("rollout_cfg_scale") or config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
                                    clip_denoised=float(config.sampling.clip_denoised),

@@ -100,12 +100,13 @@ def head_output(model, x, t, z_cond, z_uncond=None, scale=None, velocity: bool =
   return jnp.concatenate([eps_u + scale * (eps_c - eps_u), v_c], axis=-1)
 
 
+MASK_SCHEDULES = {"cosine": schedule_lib.cosine_schedule, "cos_round": schedule_lib.rounded_cosine_schedule}
+
+
 def mask_schedule(kind: str, seq_len: int, num_steps: int) -> schedule_lib.MaskSchedule:
-  if kind == "cosine":
-    return schedule_lib.cosine_schedule(seq_len, num_steps)
-  if kind == "cos_round":
-    return schedule_lib.rounded_cosine_schedule(seq_len, num_steps)
-  raise ValueError(f"sampling.mask_schedule={kind!r} is not one of 'cosine', 'cos_round'")
+  if kind not in MASK_SCHEDULES:
+    raise ValueError(f"sampling.mask_schedule={kind!r} is not one of {', '.join(MASK_SCHEDULES)}")
+  return MASK_SCHEDULES[kind](seq_len, num_steps)
 
 
 def ar_latents(model, canvas, mask, cond, null, guided: bool):

@@ -2,7 +2,7 @@ r"""Which likelihood estimator learns the shapes world: every cell at the same r
 seeds, shuffled-advantage controls, each export measured over several sampling seeds.
 
     python benchmarks/estimator_study.py [--cells=image_elbo,chain_paper,...] [--seeds=0,1,2] [--controls]
-        [--split=val|eval|grammar] [--sample_seeds=0,1,2] [--extra] [--workdir=runs/study]
+        [--split=val|eval|grammar] [--sample_seeds=0,1,2] [--extra | --readings=cfg7,...] [--workdir=runs/study]
         [--record=benchmarks/results]
     python benchmarks/estimator_study.py --summarize [--doc=docs/estimators.md]
 
@@ -14,7 +14,8 @@ a line of ``R/results.jsonl`` and is never repeated (``R``, the record, is ``ben
 the measurements are committed as they come; the runs themselves stay in ``W``). Measured per run and split, for the EMA export and the raw
 last iterate, on every sampling seed: strict pass overall and per task, partial score (``metrics.py``), diversity
 (mean pairwise latent distance of 8 images of each of 32 prompts of the split), drift from the base, the training
-wall time and images per second. ``--extra`` adds, on the split, 16 AR steps and CFG 2 (the EMA export).
+wall time and images per second. ``--extra`` adds, on the split, 16 AR steps and CFG 2 (the EMA export);
+``--readings`` any of :data:`READINGS` (another guidance scale or number of AR steps).
 The base is measured once per split and sampling setting (``R/base.jsonl``); gains are paired by sampling seed.
 
 Splits: ``val`` (held out by text from train and eval: every choice of settings is read there), ``eval`` (the
@@ -81,16 +82,18 @@ CELLS = {
     "image_elbo_lr2e4": Cell("image_elbo", (("optim.lr", 2e-4),), "image ELBO, A >= 0, lr 2e-4"),
     "image_elbo_ptx": Cell("image_elbo", (("rl.pretrain_mix", 1.0),),
                            "image ELBO, A >= 0, + rendered train images at weight 1 (PPO-ptx)"),
-    # h. the drift's mechanism: rollouts drawn with CFG 3 are not the conditional model's own samples, so training
-    #    the conditional on them distils the guidance into it (and the export is guided again at sampling); drawn
-    #    without guidance, the images are the policy's own and the expected self-training gradient is ~0
-    "image_elbo_cfg1": Cell("image_elbo", (("sampling.cfg_scale", 1.0),),
+    # h. the drift's mechanism and the rollouts' guidance scale (rl.rollout_cfg_scale; every export is read at
+    #    CFG 3, the main job's rollouts too). Drawn with CFG 3 the images are not the conditional model's own
+    #    samples, so training the conditional on them might distil the guidance into it; drawn without guidance
+    #    they are its own and the expected self-training gradient is ~0. The converse: cleaner rollouts (more
+    #    guidance) drift less. (The runs of these cells were recorded with sampling.cfg_scale set instead: the same
+    #    rollouts, the job's own 16-prompt check read at that scale.)
+    "image_elbo_cfg1": Cell("image_elbo", (("rl.rollout_cfg_scale", 1.0),),
                             "image ELBO, A >= 0, rollouts without guidance (the conditional's own samples)"),
-    #    the converse prediction: cleaner rollouts (a higher guidance scale) drift less
-    "image_elbo_cfg5": Cell("image_elbo", (("sampling.cfg_scale", 5.0),),
-                            "image ELBO, A >= 0, rollouts at CFG 5 (exports read at CFG 3 as every cell)"),
-    "image_elbo_cfg7": Cell("image_elbo", (("sampling.cfg_scale", 7.0),),
-                            "image ELBO, A >= 0, rollouts at CFG 7 (exports read at CFG 3 as every cell)"),
+    "image_elbo_cfg5": Cell("image_elbo", (("rl.rollout_cfg_scale", 5.0),),
+                            "image ELBO, A >= 0, rollouts at CFG 5"),
+    "image_elbo_cfg7": Cell("image_elbo", (("rl.rollout_cfg_scale", 7.0),),
+                            "image ELBO, A >= 0, rollouts at CFG 7"),
 }
 
 
@@ -116,14 +119,17 @@ def records(split: str) -> list[dict]:
   return shapes.grammar_sample(100, 2026) if split == "grammar" else shapes.split_records(split)
 
 
-def sampling_variants(extra: bool):
-  base = config_files.load("shapes_sample").sampling
-  out = {"default": base}
-  if extra:
-    out["ar16"] = config_files.load("shapes_sample").sampling
-    out["ar16"].num_steps = 16
-    out["cfg2"] = config_files.load("shapes_sample").sampling
-    out["cfg2"].cfg_scale = 2.0
+READINGS = {"ar16": ("num_steps", 16), "cfg2": ("cfg_scale", 2.0), "cfg5": ("cfg_scale", 5.0),
+            "cfg7": ("cfg_scale", 7.0)}  # extra readings of every export (and the base): one sampling key changed
+
+
+def sampling_variants(readings: list[str]):
+  """``{'default': shapes_sample's sampling, reading: that sampling with one key changed}``."""
+  out = {"default": config_files.load("shapes_sample").sampling}
+  for name in readings:
+    out[name] = config_files.load("shapes_sample").sampling
+    key, value = READINGS[name]
+    out[name][key] = value
   return out
 
 
@@ -165,7 +171,10 @@ def study(args):
   results = os.path.join(args.record, "results.jsonl")
   seeds = [int(s) for s in args.seeds.split(",")]
   sample_seeds = [int(s) for s in args.sample_seeds.split(",")]
-  variants = sampling_variants(args.extra)
+  readings = ["ar16", "cfg2"] if args.extra else [r.strip() for r in args.readings.split(",") if r.strip()]
+  if any(r not in READINGS for r in readings):
+    sys.exit(f"error: --readings={args.readings!r}: each one of {', '.join(READINGS)}")
+  variants = sampling_variants(readings)
   cells = [c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else list(CELLS)
   unknown = [c for c in cells if c not in CELLS]
   if unknown:
@@ -214,6 +223,7 @@ def main():
   ap.add_argument("--split", default="val", choices=("val", "eval", "grammar"))
   ap.add_argument("--sample_seeds", default="0,1,2")
   ap.add_argument("--extra", action="store_true", help="also 16 AR steps and CFG 2 on the split")
+  ap.add_argument("--readings", default="", help=f"extra readings, comma-separated: {', '.join(READINGS)}")
   ap.add_argument("--workdir", default="runs/study")
   ap.add_argument("--record", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                   help="folder of results.jsonl / base.jsonl / grad_snr.jsonl (committed with the study)")

@@ -112,3 +112,25 @@ def test_sigterm_and_sigint_save_exit_cleanly_and_the_rerun_resumes_to_the_same_
     assert f"RL iterations {saved[-1] + 1}..3 of 3" in rerun, rerun[-3000:]
     for a, b in zip(_export(ref), _export(w)):
       np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_the_tokenizer_job_stops_cleanly_on_sigterm_and_the_rerun_resumes(tmp_path):
+  """The tokenizer loop polls too: SIGTERM mid-run saves at the next logged step, exits 143 without a traceback,
+  and the same command resumes from that step."""
+  w, name = tmp_path / "tok", tmp_path / "tok.log"
+  cmd = [sys.executable, "-m", "margrpo_jax.main", "--config=configs/shapes_tokenizer.py:smoke",
+         "--config.num_steps=400", "--config.eval.every=0", "--config.checkpoint.every=1000", f"--workdir={w}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  with open(name, "w") as log:
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _wait_for(p, name, "step 2/400")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=600) == 143, name.read_text()[-3000:]
+  out = name.read_text()
+  assert "Traceback" not in out and "stopped by SIGTERM: the tokenizer state at step" in out, out[-3000:]
+  saved = sorted(int(s) for s in os.listdir(w / "checkpoints") if s.isdigit())
+  assert saved and saved[-1] < 400 and not (w / "export").exists()
+  rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert rerun.returncode == 0 and f"at step {saved[-1]}" in rerun.stderr + rerun.stdout, rerun.stderr[-3000:]
+  assert (w / "export").exists()

@@ -27,7 +27,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from margrpo_jax import checkpoint, fileio, generate, optim, rng, validate
+from margrpo_jax import checkpoint, fileio, generate, interrupt, optim, rng, validate
 from margrpo_jax.config_files import ConfigError
 from margrpo_jax.data import shapes
 from margrpo_jax.models import families, vae
@@ -137,7 +137,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   progress = periodic_actions.ReportProgress(num_train_steps=config.num_steps, writer=writer)
   end = config.num_steps if max_steps_this_run is None else min(config.num_steps, start + max_steps_this_run)
   t0 = time.time()
-  with metric_writers.ensure_flushes(writer):
+  with metric_writers.ensure_flushes(writer), interrupt.polled():  # SIGTERM / SIGINT: save at a logged step, exit
     for step in range(start, end):
       state, metrics = step_fn(state, jnp.asarray(make_batch(step, config.batch_size, config.seed)))
       done = step + 1
@@ -151,8 +151,12 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         writer.write_scalars(done, m)
         logging.info("step %d/%d loss %.4f l1 %.4f kl %.3f latent std %.3f (%.1f min)", done, config.num_steps,
                      m["loss"], m["l1"], m["kl"], m["latent_std"], (time.time() - t0) / 60)
-      if done % config.checkpoint.every == 0 or done == end:
+      stop = done % config.log_every == 0 and interrupt.requested()  # polled where the step syncs anyway
+      if done % config.checkpoint.every == 0 or done == end or stop:
         checkpoint.save_state(mngr, done, state, f"the tokenizer state at step {done}")
+      if stop and done < end:
+        checkpoint.wait(mngr)
+        interrupt.stop(f"the tokenizer state at step {done} is saved in {mngr.directory}")
       if config.eval.every and done % config.eval.every == 0 and done < config.num_steps:
         fig = round_trip_figures(graphdef, state["params"], config.eval.num_images)
         writer.write_scalars(done, {f"eval/{k}": v for k, v in fig.items()})

@@ -240,6 +240,10 @@ def _check_model(config, model_cfg, what: str) -> None:
   if kind != cls.head_kind:
     raise ConfigError(f"{what}: diffusion.kind={kind!r} must be {cls.head_kind!r}, the {model_cfg.family} family's "
                       "diffusion head")
+  for key, value in cls.fixed_sampling.items():
+    if "sampling" in config and key in config.sampling and config.sampling[key] != value:
+      raise ConfigError(f"sampling.{key}={config.sampling[key]!r}: the {model_cfg.family} sampler always runs with "
+                        f"{value!r}, so another value would be ignored")
   try:
     model = families.abstract(model_cfg)
   except Exception as e:  # noqa: BLE001 - any value that cannot build the model (heads, groups, widths)

@@ -100,6 +100,7 @@ CASES = [
     ("official_except_without_official", "main", [RL, "--config.rl.official_except=beta"],
      "only applies with rl.fidelity='official'"),
     ("model_negative", "main", [NOVA, "--config.model.text.max_len=-1"], "config.model.text.max_len=-1"),
+    ("nova_temperature_unread", "main", [NOVA, "--config.sampling.temperature=0.5"], "would be ignored"),
     ("ablation_variant", "main", [ABLATION, "--config.variants=nosuch"], "'nosuch'"),
     ("ablation_seeds", "main", [ABLATION, "--config.seeds=a,b"], "seeds='a,b'"),
     ("unknown_key", "main", [SAMPLE, "--config.nonexistent=1"], "'nonexistent'"),

@@ -30,6 +30,7 @@ class Generator(nnx.Module):
 
   policy_components: tuple[str, ...] = ()
   head_kind: str = "gaussian"  # the diffusion head's process (model.diffusion.kind): 'gaussian' or 'flow'
+  fixed_sampling: dict = {}  # sampling keys a family's own sampler does not read -> the one value it runs with
   condition_ndim: int = 2
   encode_images = None
   make_sample_fn = None

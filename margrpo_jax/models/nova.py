@@ -284,6 +284,7 @@ class NOVA(families.Generator):
   policy_components = ("backbone",)  # official NOVA RL: the transformer without its head (fix_head=True)
   condition_ndim = 2  # conditions are Phi-2 token ids (B, 256), -1 = padding
   head_kind = "flow"
+  fixed_sampling = {"temperature": 1.0, "cfg_schedule": "constant", "mask_schedule": "cos_round"}  # NOVA's loop
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     self.max_len, self.pad_id = cfg.text.max_len, cfg.text.pad_id

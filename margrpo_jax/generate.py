@@ -8,7 +8,6 @@ the same prompts, seed and batch size give the same images, bit for bit on CPU.
 """
 from __future__ import annotations
 
-import json
 import time
 
 import jax
@@ -37,8 +36,7 @@ def trace(model_cfg, sampling) -> None:
   """Trace the sampler on one prompt abstractly (``jax.eval_shape``: shapes only, nothing computed), so that a
   model config or sampling setting the model cannot run raises here instead of inside a job. Remembered per
   value of ``(model_cfg, sampling)``."""
-  key = json.dumps([model_cfg.to_dict(), dict(sampling.to_dict() if hasattr(sampling, "to_dict") else sampling)],
-                   sort_keys=True, default=repr)
+  key = families.value_key(model_cfg, sampling)
   if key in _TRACED:
     return
   family = families.get(model_cfg.family)

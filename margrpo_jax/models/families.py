@@ -91,13 +91,18 @@ def build(model_cfg: ml_collections.ConfigDict, seed: int = 0):
 _ABSTRACT: dict[str, nnx.Module] = {}
 
 
+def value_key(*configs) -> str:
+  """A string that is equal for configs (ConfigDicts or dicts) of equal value: the key of the caches below."""
+  return json.dumps([c.to_dict() if hasattr(c, "to_dict") else dict(c) for c in configs], sort_keys=True,
+                    default=repr)
+
+
 def abstract(model_cfg: ml_collections.ConfigDict):
   """The model of ``model_cfg`` built abstractly (``nnx.eval_shape``: shapes and dtypes, nothing allocated).
 
   Cached by the config's value: tracing a build costs about a second even for the shapes-world model, and
   validation, the export check and the plan all ask for the same one. Callers must not modify the result."""
-  key = json.dumps(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dict(model_cfg), sort_keys=True,
-                   default=repr)
+  key = value_key(model_cfg)
   if key not in _ABSTRACT:
     if len(_ABSTRACT) >= 16:
       _ABSTRACT.pop(next(iter(_ABSTRACT)))

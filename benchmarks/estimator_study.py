@@ -48,6 +48,7 @@ class Cell:
   variant: str           # configs/shapes_rl.py variant
   overrides: tuple = ()  # (key, value) pairs on top of it
   note: str = ""
+  batch: tuple = (8, 8)  # (prompts, images per prompt) per iteration; the budget fixes the number of iterations
 
 
 OFFICIAL = (("rl.fidelity", "official"), ("rl.official_except", "diffusion_window"))  # + only the window fix
@@ -94,6 +95,11 @@ CELLS = {
                             "image ELBO, A >= 0, rollouts at CFG 5"),
     "image_elbo_cfg7": Cell("image_elbo", (("rl.rollout_cfg_scale", 7.0),),
                             "image ELBO, A >= 0, rollouts at CFG 7"),
+    # i. the batch: in a noise-dominated gradient (grad-SNR above) each Adam step travels about lr whatever its
+    #    signal, so the drift grows with the number of steps and the signal with the images behind each step.
+    #    Twice the prompts per step at the same number of steps (--budget=25600) or at half of them (12,800).
+    "image_elbo_p16": Cell("image_elbo", (), "image ELBO, A >= 0, 16 prompts x 8 images per step", (16, 8)),
+    "image_elbo_g16": Cell("image_elbo", (), "image ELBO, A >= 0, 8 prompts x 16 images per step", (8, 16)),
 }
 
 
@@ -102,9 +108,9 @@ def run_config(name: str, seed: int, control: bool, workdir: str, budget: int = 
   c = config_files.load("shapes_rl", cell.variant)
   for k, v in cell.overrides:
     config_files.override(c, f"{k}={v}")
-  # the matched protocol: strict pass as the reward, 64 images per iteration, BUDGET images, an EMA export
+  # the matched protocol: strict pass as the reward, the cell's batch (64 images), BUDGET images, an EMA export
   c.rl.rewards.update(shapes_partial=0.0, shapes_strict=1.0)
-  c.rl.update(prompts_per_iter=8, group_size=8, ema_decay=c.rl.ema_decay or 0.95)
+  c.rl.update(prompts_per_iter=cell.batch[0], group_size=cell.batch[1], ema_decay=c.rl.ema_decay or 0.95)
   c.num_iters = budget // (c.rl.group_size * c.rl.prompts_per_iter)
   c.save.every = 25
   c.seed = seed

@@ -33,6 +33,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from margrpo_jax import checkpoint, config_files, fileio, metrics  # noqa: E402
@@ -175,7 +176,12 @@ def base_measure(record, split, which, sampling, seeds):
   return r
 
 
+def wise_name(cell: str, alpha: float) -> str:
+  return f"{cell}_wise{alpha:g}"
+
+
 def study(args):
+  alphas = [float(a) for a in args.interpolate.split(",") if a.strip()]
   os.makedirs(args.workdir, exist_ok=True)
   os.makedirs(args.record, exist_ok=True)
   results = os.path.join(args.record, "results.jsonl")
@@ -196,7 +202,9 @@ def study(args):
   for i, (name, seed, control) in enumerate(runs):
     tag = dict(cell=name, seed=seed, control=control, split=args.split, seeds=sample_seeds, images=args.budget)
     done = {r["sampling"] for r in read_jsonl(results) if all(r.get(k) == v for k, v in tag.items())}
-    if set(variants) <= done:
+    wise = [a for a in alphas if not any(all(r.get(k) == v for k, v in dict(tag, cell=wise_name(name, a)).items())
+                                         for r in read_jsonl(results))]
+    if set(variants) <= done and not wise:
       continue
     wd = os.path.join(args.workdir, name, f"seed{seed}" + ("_shuffled" if control else "") +
                       ("" if args.budget == BUDGET else f"_{args.budget}img"))
@@ -220,6 +228,12 @@ def study(args):
         rec["raw"] = measure(s.graphdef, {**s.frozen, **state["policy"]}, s.model_cfg, args.split, sampling,
                              sample_seeds)
       append(results, rec)
+    for a in wise:  # the export moved a fraction of the way from the base (WiSE-FT): theta_0 + a (theta - theta_0)
+      mixed = jax.tree.map(lambda t, b, a=a: b + a * (t - b), s.trained_policy(state), s.policy)
+      append(results, dict(common, cell=wise_name(name, a), sampling="default", note=f"{CELLS[name].note}; "
+                           f"export theta_0 + {a} (theta - theta_0)", drift=metrics.drift(mixed, s.policy),
+                           ema=measure(s.graphdef, {**s.frozen, **mixed}, s.model_cfg, args.split,
+                                       variants["default"], sample_seeds)))
     print(f"    measured in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 
@@ -238,6 +252,8 @@ def main():
   ap.add_argument("--record", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                   help="folder of results.jsonl / base.jsonl / grad_snr.jsonl (committed with the study)")
   ap.add_argument("--budget", type=int, default=BUDGET, help="rollout images per run (a smaller one: a smoke run)")
+  ap.add_argument("--interpolate", default="", help="also read each run's export moved only this fraction of the "
+                  "way from the base (WiSE-FT weight interpolation), comma-separated, e.g. 0.5,0.75")
   ap.add_argument("--summarize", action="store_true")
   ap.add_argument("--doc", default="docs/estimators.md")
   args = ap.parse_args()

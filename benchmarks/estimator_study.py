@@ -105,6 +105,9 @@ CELLS = {
     #    images trained on (awm's squared-eps term) against it, keeping the positive-only policy term
     "image_elbo_p16_anchor": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 1.0)),
                                   "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 1", (16, 8)),
+    "image_elbo_p16_anchor01": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 0.1)),
+                                    "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 0.1",
+                                    (16, 8)),
 }
 
 

@@ -101,10 +101,13 @@ CELLS = {
     #    Twice the prompts per step at the same number of steps (--budget=25600) or at half of them (12,800).
     "image_elbo_p16": Cell("image_elbo", (), "image ELBO, A >= 0, 16 prompts x 8 images per step", (16, 8)),
     "image_elbo_g16": Cell("image_elbo", (), "image ELBO, A >= 0, 8 prompts x 16 images per step", (8, 16)),
-    # j. diversity: the filter keeps each group's modes (diversity 0.75x at 16 x 8); an anchor to the base on the
-    #    images trained on (awm's squared-eps term) against it, keeping the positive-only policy term
+    # j. diversity: the filter keeps each group's modes (diversity 0.75x at 16 x 8). Against it, keeping the
+    #    positive-only policy term: an anchor to the base on the images trained on (awm's squared-eps term), or a
+    #    reward for how much each image differs from the others of its prompt (rl.diversity_bonus)
     "image_elbo_p16_anchor": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 1.0)),
                                   "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 1", (16, 8)),
+    "image_elbo_p16_div": Cell("image_elbo", (("rl.diversity_bonus", 0.5),),
+                               "image ELBO, A >= 0, 16 x 8, + distinctness bonus 0.5 in the reward", (16, 8)),
     "image_elbo_p16_anchor01": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 0.1)),
                                     "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 0.1",
                                     (16, 8)),

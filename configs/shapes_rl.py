@@ -72,6 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       advantage="grpo",           # 'grpo' | 'drgrpo' | 'rloo'
       shuffle_advantages=False,   # control: advantages permuted inside each group (no reward signal, same seeds)
       positive_only=False,        # advantages clipped at 0: only images better than their group's mean are trained on
+      diversity_bonus=0.0,        # lam > 0: r_i + lam r_i (d_i / mean_g d - 1), d_i the latent distance of image i to
+                                  # the other images of its prompt (rl/advantages.py; against mode-seeking filters)
       group_size=8, prompts_per_iter=4,
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)
       num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10; 0 = every window step)

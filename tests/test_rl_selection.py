@@ -80,3 +80,17 @@ def test_the_step_config_dataclass_defaults_are_the_margrpo_preset():
     differ = {f.name: (getattr(cls(), f.name), getattr(got, f.name)) for f in dataclasses.fields(cls)
               if getattr(cls(), f.name) != getattr(got, f.name)}
     assert not differ, (cls.__name__, differ)
+
+
+def test_distinctness_bonus_ranks_the_passing_images_by_how_much_they_differ():
+  """``rl.diversity_bonus``: in a group of 4 passing images where one differs from three alike, the odd one gains,
+  the bonus sums to 0 over the group and failing images (reward 0) get none."""
+  z = np.zeros((8, 3, 2))
+  z[0] += 1.0  # group 0: image 0 far from images 1-3
+  z[5] += 2.0  # group 1: image 5 differs but fails
+  r = np.array([1, 1, 1, 1, 0, 0, 1, 1], np.float32)
+  out = advantages.with_distinctness(r, z, 4, 0.5)
+  assert out[0] > 1.0 and np.all(out[1:4] < 1.0) and abs(out[:4].sum() - 4.0) < 1e-5
+  np.testing.assert_array_equal(out[4:6], 0.0)
+  assert out[6] == out[7]
+  np.testing.assert_array_equal(advantages.with_distinctness(r, z, 4, 0.0), r)

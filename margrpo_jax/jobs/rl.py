@@ -213,11 +213,13 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
     reward = ro["reward"] = np.where(np.arange(len(reward)) == 0, np.nan, reward)
   if not np.all(np.isfinite(reward)):
     return dict(state, step=state["step"] + 1), None, ro
+  ids, tokens = ro["ids"], training_tokens(config, s, ro)
+  if config.rl.diversity_bonus:
+    reward = advantages.with_distinctness(reward, sharding.to_host(tokens), g, config.rl.diversity_bonus)
   adv = np.asarray(advantages.group_advantages(reward, g, config.rl.advantage))
   if config.rl.shuffle_advantages:
     adv = advantages.shuffle_in_groups(adv, g, [config.seed, it])
   adv = advantages.shape_weights(adv, config.rl.positive_only, config.rl.adv_clip)
-  ids, tokens = ro["ids"], training_tokens(config, s, ro)
   if config.rl.pretrain_mix:
     ids, adv, tokens = with_pretraining_images(config, s, train_recs, it, ids, adv, tokens)
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))

@@ -6,6 +6,10 @@ r"""Group-relative advantages over ``G`` images per prompt (rewards laid out pro
 * ``rloo``:   ``A = r - (sum_g r - r) / (G - 1)`` (leave-one-out baseline).
 
 Constant rewards within a group give exactly zero advantages (never NaN).
+
+:func:`with_distinctness` (``rl.diversity_bonus = lam``) adds to each reward, in proportion to it, how much its
+image differs from the other images of its prompt: ``r_i + lam r_i (d_i / mean_g d - 1)``, ``d_i`` the mean
+distance of image ``i``'s latents to the group's others.
 """
 from __future__ import annotations
 
@@ -46,3 +50,14 @@ def shape_weights(adv, positive_only: bool = False, clip: float = 0.0) -> np.nda
   if clip > 0:
     adv = np.clip(adv, -clip, clip)
   return adv
+
+
+def with_distinctness(rewards, latents, group_size: int, weight: float) -> np.ndarray:
+  """``r_i + weight r_i (d_i / mean_g d - 1)``: ``d_i`` the mean Euclidean distance of image ``i``'s ``latents``
+  (B, ...) to the other images of its group. The bonus sums to 0 over a group of equal rewards; it ranks the
+  images of an all-pass group by how much each differs from the rest (against mode-seeking filters)."""
+  r = np.asarray(rewards, np.float64).reshape(-1, group_size)
+  z = np.asarray(latents, np.float64).reshape(r.shape + (-1,))
+  d = np.sqrt(((z[:, :, None] - z[:, None, :]) ** 2).sum(-1)).sum(-1) / (group_size - 1)  # (P, G)
+  rel = d / np.maximum(d.mean(axis=1, keepdims=True), 1e-12) - 1.0
+  return (r + weight * r * rel).reshape(-1).astype(np.asarray(rewards).dtype)

@@ -3,6 +3,7 @@ run on the same machine, on the same weights.
 
     python benchmarks/peer_sampler.py [--size=base] [--batch=2] [--num_steps=8] [--diffusion_steps=25]
                                       [--cfg=2.9] [--temperature=1.0] [--repeats=2] [--threads=0]
+                                      [--segments=1,3]
 
 The PyTorch side (:class:`TorchMAR`, official key names) follows LTH14/mar's ``sample_tokens``: per AR step the
 MAE encoder on the buffer and the visible tokens, the decoder with mask tokens, the cosine mask schedule over a
@@ -10,11 +11,14 @@ random order, linear CFG, and the diffusion head's ancestral loop (``diffloss.sa
 eps-CFG on the doubled batch, ``temperature`` on the noise) for the tokens of that step only. Its random weights
 are converted with ``convert/mar.py`` into the JAX model, and the two encoder / decoder passes are checked to
 agree before anything is timed. Prints images/s for both (steady state, after a warm-up call), the JAX compile
-time separately, and their ratio.
+time separately (this sampler at each ``--segments``: its AR steps in that many scans of their own shapes), the
+work of each (encoder and decoder token-passes, head rows x diffusion steps) and, as JSON on the last line, the
+ratio for the last ``--segments``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -200,6 +204,23 @@ def _agree(ref: TorchMAR, graphdef, params, seed: int = 0) -> float:
   return float(np.max(np.abs(np.asarray(got) - want)))
 
 
+def work(model, diff, sched, batch: int, segments) -> dict:
+  """Token-passes through the encoder and the decoder and head rows (x diffusion steps) of one guided batch: per
+  step, ``segments=None`` is the official loop (the buffer and the known tokens, the step's own count), else this
+  sampler's runs of steps (each at its largest known prefix and count; the full encoder without a gather)."""
+  bb, rows = model.backbone, 2 * batch  # [cond ; uncond]
+  spans = [(s, s + 1) for s in range(sched.num_steps)] if segments is None else sampler_lib.step_segments(
+      model, diff, sched, segments)
+  gather = segments is None or sampler_lib.gathers_known(model)
+  out = dict(encoder=0, decoder=0, head=0)
+  for lo, hi in spans:
+    for s in range(lo, hi):
+      out["encoder"] += rows * (bb.buffer_size + (int(sched.starts[hi - 1]) if gather else bb.seq_len))
+      out["decoder"] += rows * (bb.buffer_size + bb.seq_len)
+      out["head"] += rows * int(sched.counts[lo:hi].max()) * diff.num_steps
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--size", default="base", choices=sorted(class_mar.SIZES))
@@ -210,6 +231,8 @@ def main():
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+  ap.add_argument("--segments", default="1,3", help="this sampler's SamplerConfig.segments to time, comma-separated "
+                  "(the last one is the ratio's)")
   a = ap.parse_args()
   ref, sd, _, graphdef, params = paired_models(a.size, a.threads)
   ref.eval()
@@ -217,19 +240,23 @@ def main():
   n_params = sum(v.size for v in sd.values())
   print(f"MAR-{a.size}: {n_params / 1e6:.1f}M parameters; encoder/decoder z agree to {err:.1e} (max |diff|)")
   diff = gaussian.make_diffusion(1000, a.diffusion_steps)
-  fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_lib.SamplerConfig(
-      num_steps=a.num_steps, cfg_scale=a.cfg, cfg_schedule="linear", temperature=a.temperature))
   labels = np.arange(a.batch, dtype=np.int32) % 1000
-
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(0)))
-  first = time.perf_counter() - t0
-  times = []
-  for r in range(a.repeats):
+  sched = sampler_lib.mask_schedule("cosine", ref.seq, a.num_steps)
+  model = nnx.merge(graphdef, params)
+  rows = []  # (segments, images/s, s / batch, compile s, work)
+  for segments in [int(x) for x in a.segments.split(",")]:
+    fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_lib.SamplerConfig(
+        num_steps=a.num_steps, cfg_scale=a.cfg, cfg_schedule="linear", temperature=a.temperature, segments=segments))
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(r + 1)))
-    times.append(time.perf_counter() - t0)
-  jax_s = float(np.median(times))
+    jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(0)))
+    first = time.perf_counter() - t0
+    times = []
+    for r in range(a.repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(r + 1)))
+      times.append(time.perf_counter() - t0)
+    jax_s = float(np.median(times))
+    rows.append((segments, a.batch / jax_s, jax_s, first - jax_s, work(model, diff, sched, a.batch, segments)))
 
   ref.sample_tokens(torch.from_numpy(labels).long(), 1, diff, a.cfg, a.temperature)  # warm-up
   times = []
@@ -238,12 +265,19 @@ def main():
     ref.sample_tokens(torch.from_numpy(labels).long(), a.num_steps, diff, a.cfg, a.temperature)
     times.append(time.perf_counter() - t0)
   torch_s = float(np.median(times))
+  official = work(model, diff, sched, a.batch, None)
   print(f"batch {a.batch}, {a.num_steps} AR steps, {diff.num_steps} diffusion steps, CFG {a.cfg}, temperature "
         f"{a.temperature}, {a.repeats} timed runs each (median), torch threads {torch.get_num_threads()}")
-  print(f"| sampler | images/s | s / batch | compile s |\n|---|---|---|---|\n"
-        f"| margrpo_jax (jit, lax.scan) | {a.batch / jax_s:.3f} | {jax_s:.2f} | {first - jax_s:.1f} |\n"
-        f"| PyTorch, official structure | {a.batch / torch_s:.3f} | {torch_s:.2f} | - |")
-  print(f"speed-up: {torch_s / jax_s:.2f}x")
+  print("| sampler | images/s | s / batch | compile s | encoder token-passes | decoder token-passes | head rows |\n"
+        "|---|---|---|---|---|---|---|")
+  for segments, ips, sec, comp, w in rows:
+    print(f"| margrpo_jax (jit, {segments} segment{'s' * (segments > 1)}) | {ips:.3f} | {sec:.2f} | {comp:.1f} | "
+          f"{w['encoder']} | {w['decoder']} | {w['head']} |")
+  print(f"| PyTorch, official structure | {a.batch / torch_s:.3f} | {torch_s:.2f} | - | {official['encoder']} | "
+        f"{official['decoder']} | {official['head']} |")
+  last = rows[-1]
+  print(json.dumps(dict(speedup_vs_torch=round(torch_s / last[2], 3), segments=last[0],
+                        more_work_than_official=any(last[4][k] > official[k] for k in official))))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,24 @@ def test_key_masked_encoder_equals_dropping_masked_tokens(small_model):
   np.testing.assert_allclose(z2, z, rtol=1e-6, atol=1e-6)
 
 
+def test_encoder_on_the_known_tokens_equals_the_key_masked_one(small_model):
+  """``encode_known`` (the official encoder's work: buffer + known tokens, padding key-masked) gives the latents of
+  the key-masked pass over all positions, whatever the padding holds."""
+  model_cfg, graphdef, params = small_model
+  bb = nnx.merge(graphdef, params).backbone
+  b, seq_len, n_known, k = 3, model_cfg.seq_len, 19, 30
+  tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
+  order = jnp.stack([jax.random.permutation(jax.random.key(i), seq_len) for i in range(b)])
+  mask = jnp.ones((b, seq_len), bool).at[jnp.arange(b)[:, None], order[:, :n_known]].set(False)
+  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
+                                                                             "x"], 12)))
+  want = bb(tokens, mask, cond)
+  got = bb.decode(*bb.encode_known(tokens, order[:, :k], n_known, cond))  # 11 padded positions
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  exact = bb.decode(*bb.encode_known(tokens, order[:, :n_known], n_known, cond))  # no padding
+  np.testing.assert_allclose(exact, want, rtol=2e-5, atol=2e-5)
+
+
 def test_text_conditioning_and_null(small_model):
   model_cfg, graphdef, params = small_model
   model = nnx.merge(graphdef, params)

@@ -72,3 +72,14 @@ class Block(nnx.Module):
   def __call__(self, x, key_mask=None):
     x = x + self.attn(self.norm1(x), key_mask)
     return x + self.mlp(self.norm2(x))
+
+
+def scan_blocks(blocks, x: jax.Array, *args) -> jax.Array:
+  """``x <- block(x, *args)`` for each of the identical ``blocks`` in turn, as one ``lax.scan`` over their stacked
+  parameters: the compiled program holds one block, not ``len(blocks)`` (compile time; every AR-step shape of the
+  sampler is its own program)."""
+  if len(blocks) == 0:
+    return x
+  graphdef = nnx.split(blocks[0])[0]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *[nnx.split(b)[1] for b in blocks])
+  return jax.lax.scan(lambda h, state: (nnx.merge(graphdef, state)(h, *args), None), x, stacked)[0]

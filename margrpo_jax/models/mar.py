@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from margrpo_jax.models.layers import Block, layer_norm, linear, normal_param
+from margrpo_jax.models.layers import Block, layer_norm, linear, normal_param, scan_blocks
 
 
 def sincos_2d(grid: int, dim: int) -> jax.Array:
@@ -79,17 +79,37 @@ class MARBackbone(nnx.Module):
     visible = jnp.concatenate([jnp.ones((b, self.buffer_size), bool), ~mask.astype(bool)], axis=1)
     x = jnp.concatenate([cond.astype(tokens.dtype), self.z_proj(tokens)], axis=1)
     x = self.z_proj_ln(x + self.pos_table(self.encoder_pos_embed_learned, self.buffer_size))
-    for blk in self.encoder_blocks:
-      x = blk(x, visible)
+    x = scan_blocks(self.encoder_blocks, x, visible)
     return self.encoder_norm(x), visible
+
+  def encode_known(self, tokens: jax.Array, known: jax.Array, n_known, cond: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """MAR's encoder as the official code runs it, on the buffer and the known tokens only: ``known`` (B, K) are
+    positions of which the first ``n_known`` (a traced int) are known, the rest key-masked padding. Returns
+    ``(x, visible)`` over all ``buffer + L`` positions (zeros and False where not known), for :meth:`decode`;
+    equal to :meth:`encode` with the mask that ``known`` [: n_known] leaves, at a cost of ``buffer + K`` tokens."""
+    b, k = known.shape
+    chex.assert_shape(tokens, (b, self.seq_len, self.token_dim))
+    chex.assert_shape(cond, (b, self.buffer_size, self.width))
+    rows, buf = jnp.arange(b)[:, None], self.buffer_size
+    pos = self.pos_table(self.encoder_pos_embed_learned, buf)
+    x = jnp.concatenate([cond.astype(tokens.dtype), self.z_proj(tokens[rows, known])], axis=1)
+    x = self.z_proj_ln(x + jnp.concatenate([jnp.broadcast_to(pos[:, :buf], (b, buf, pos.shape[2])),
+                                            pos[0, buf:][known]], axis=1))
+    visible = jnp.concatenate([jnp.ones((b, buf), bool), jnp.broadcast_to(jnp.arange(k) < n_known, (b, k))], axis=1)
+    x = scan_blocks(self.encoder_blocks, x, visible)
+    x = self.encoder_norm(x)
+    full = jnp.zeros((b, buf + self.seq_len, x.shape[-1]), x.dtype).at[:, :buf].set(x[:, :buf])
+    full = full.at[rows, buf + known].set(x[:, buf:])
+    seen = jnp.zeros((b, buf + self.seq_len), bool).at[:, :buf].set(True).at[rows, buf + known].set(visible[:, buf:])
+    return full, seen
 
   def decode(self, x: jax.Array, visible: jax.Array) -> jax.Array:
     """MAE decoder over all positions (mask token where not ``visible``) -> z (B, L, D) for the head."""
     x = self.decoder_embed(x)
     x = jnp.where(visible[..., None], x, self.mask_token[...].astype(x.dtype))
     x = x + self.pos_table(self.decoder_pos_embed_learned, self.buffer_size)
-    for blk in self.decoder_blocks:
-      x = blk(x)
+    x = scan_blocks(self.decoder_blocks, x)
     x = self.decoder_norm(x)
     return x[:, self.buffer_size:] + self.pos_table(self.diffusion_pos_embed_learned, 0)
 

@@ -1,12 +1,16 @@
 r"""The MAR sampler: cosine mask schedule, random order per image, CFG, temperature, in one jitted loop; the
 same loop samples NOVA (its rounded schedule, flow head: ``sampling/nova.py``).
 
-Per AR step ``s`` (a ``lax.scan`` over the static schedule, so compile time does not grow with ``N``):
-``z = backbone(canvas, mask, cond)`` (rows ``[cond ; uncond]`` under guidance), then the diffusion head
-samples the ``counts[s]`` tokens at positions ``order[starts[s] : starts[s] + counts[s]]`` with a
-``lax.scan`` over the respaced diffusion steps. Every step gathers a static ``K = max(counts)`` positions;
-the surplus ones are computed and discarded (``valid`` marks the real ones). Decoding the order from its
-front is equivalent in law to MAR's masking of the order's first ``n`` entries.
+Per AR step ``s``: ``z = backbone(canvas, mask, cond)`` (rows ``[cond ; uncond]`` under guidance), then the
+diffusion head samples the ``counts[s]`` tokens at positions ``order[starts[s] : starts[s] + counts[s]]`` with a
+``lax.scan`` over the respaced diffusion steps. The schedule is static, so each step's work is known: the AR steps
+run as at most ``SamplerConfig.segments`` consecutive ``lax.scan`` s (:func:`step_segments`, chosen by dynamic
+programming), each at the largest shape of its steps: MAR's encoder on the buffer and the known tokens only
+(``encode_known``, the official code's work; padding key-masked), the head on the segment's largest count (the
+surplus rows computed and discarded; ``valid`` marks the real ones; record fields are padded to ``K =
+max(counts)``). ``segments=1`` is one scan at the largest shape (the full encoder); ``segments >= N`` every step at
+its own. Noise is drawn for ``K`` tokens and sliced, so every segmentation draws the same images from one key.
+Decoding the order from its front is equivalent in law to MAR's masking of the order's first ``n`` entries.
 
 CFG (MAR): both branches start from the same noise and are evaluated at the same state ``x``;
 ``eps = eps_u + w (eps_c - eps_u)``; the variance channels stay the conditional ones. The per-token chain is
@@ -49,6 +53,9 @@ class SamplerConfig:
                                  # except at this many AR steps, drawn per call (Record.varied); 0: independent
   mask_schedule: str = "cosine"  # 'cosine' (MAR: floor, >= 1 token per step) | 'cos_round' (NOVA: round,
                                  # zero-count steps dropped)
+  segments: int = 3              # AR steps run in at most this many scans, each at its own static shape
+                                 # (schedule.segments); 1: one scan at the largest step's shape. Each one
+                                 # compiles (~2 s on CPU at MAR-B): 3 keeps compile time within 2x of 1
 
 
 @flax.struct.dataclass
@@ -57,7 +64,8 @@ class Record:
   canvas: jax.Array     # (N, B, L, C) canvas given to the backbone
   mask: jax.Array       # (N, B, L) bool, True = unknown before the step (the visibility mask given)
   positions: jax.Array  # (N, B, K) int32 positions decoded at the step
-  valid: jax.Array      # (N, B, K) bool, False for the padded surplus positions
+  valid: jax.Array      # (N, B, K) bool, False for the padded surplus positions (their chains: zeros or
+                        # computed and discarded)
   z: jax.Array          # (N, B, K, D) conditional AR latents at those positions
   z_u: jax.Array        # (N, B, K, D) unconditional AR latents there (zeros when the sampler is unguided)
   xs: jax.Array         # (N, T+1, B, K, C) diffusion states x_T, ..., x_0
@@ -109,13 +117,34 @@ def mask_schedule(kind: str, seq_len: int, num_steps: int) -> schedule_lib.MaskS
   return MASK_SCHEDULES[kind](seq_len, num_steps)
 
 
-def ar_latents(model, canvas, mask, cond, null, guided: bool):
-  """Backbone latents ``(z_cond, z_uncond or None)`` for one AR step."""
-  if not guided:
-    return model.backbone(canvas, mask, cond), None
-  z = model.backbone(jnp.concatenate([canvas, canvas]), jnp.concatenate([mask, mask]),
-                     jnp.concatenate([cond, null]))
-  return tuple(jnp.split(z, 2))
+def ar_latents(model, canvas, mask, cond, null, guided: bool, known=None):
+  """Backbone latents ``(z_cond, z_uncond or None)`` for one AR step. With ``known = (positions (B, K), n)`` (a
+  backbone with ``encode_known``) the encoder runs on the buffer and those positions only (``mask`` unused)."""
+  two = lambda a: jnp.concatenate([a, a]) if guided else a
+  c = jnp.concatenate([cond, null]) if guided else cond
+  bb = model.backbone
+  if known is not None:
+    z = bb.decode(*bb.encode_known(two(canvas), two(known[0]), known[1], c))
+  else:
+    z = bb(two(canvas), two(mask), c)
+  return tuple(jnp.split(z, 2)) if guided else (z, None)
+
+
+def gathers_known(model) -> bool:
+  """Whether the backbone can run its encoder on the known tokens only (MAR's; not Harmon's, not NOVA's)."""
+  return hasattr(model.backbone, "encode_known")
+
+
+def _param_count(module) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def step_segments(model, diff, sched, max_segments: int) -> tuple[tuple[int, int], ...]:
+  """The sampler's runs of AR steps at one shape (:func:`schedule.segments`), costed by parameter counts: a known
+  token costs the encoder blocks' parameters, a head row the head's times its diffusion steps."""
+  bb = model.backbone
+  token_cost = _param_count(bb.encoder_blocks) if gathers_known(model) else 0
+  return schedule_lib.segments(sched, max_segments, token_cost, _param_count(model.head) * diff.num_steps)
 
 
 def _gather(x, idx):
@@ -130,6 +159,13 @@ def group_normal(key, shape, dtype, group: int = 1, shared=False):
     return own
   one = jax.random.normal(jax.random.fold_in(key, 1), (shape[0] // group,) + tuple(shape[1:]), dtype)
   return jnp.where(shared, jnp.repeat(one, group, axis=0), own)
+
+
+def _noise(key, shape, dtype, group, shared, rows):
+  """:func:`group_normal` drawn for ``rows`` tokens along axis 1 (None: ``shape[1]``), the first ``shape[1]`` kept."""
+  if rows is None or rows == shape[1]:
+    return group_normal(key, shape, dtype, group, shared)
+  return group_normal(key, (shape[0], rows) + tuple(shape[2:]), dtype, group, shared)[:, :shape[1]]
 
 
 def _transition(model, diff, x, n, z_c, z_u, scale, temperature, clip_denoised):
@@ -147,10 +183,11 @@ def _transition(model, diff, x, n, z_c, z_u, scale, temperature, clip_denoised):
 
 
 def run_chain(model, diff, x_init, z_c, z_u, scale, temperature, key, clip_denoised=0.0, group: int = 1,
-              shared=False):
+              shared=False, rows: int | None = None):
   """The full chain from ``x_init`` (B, ..., C) (Gaussian ancestral or flow, :func:`is_flow`); returns
   ``(x_final, xs (T+1,...), std, logp)``. With ``group > 1`` and ``shared``, each block of ``group`` rows draws
-  one step noise (:func:`group_normal`)."""
+  one step noise (:func:`group_normal`). ``rows``: the noise is drawn for this many tokens (axis 1) and the first
+  ``x_init.shape[1]`` used, so that a chain on fewer tokens draws the same noise for them."""
   keys = jax.random.split(key, diff.num_steps)
   if is_flow(diff):  # one time embedding for all tokens; the flow has no temperature
     times = jnp.asarray(diff.t, jnp.float32)
@@ -160,7 +197,7 @@ def run_chain(model, diff, x_init, z_c, z_u, scale, temperature, key, clip_denoi
   def body(x, inp):
     n, k = inp
     t = jnp.broadcast_to(times[n], (1,) * (x.ndim - 1))
-    noise = group_normal(k, x.shape, x.dtype, group, shared)
+    noise = _noise(k, x.shape, x.dtype, group, shared, rows)
     nn = jnp.full(x.shape[:-1], n)
     if is_flow(diff):
       x_next, _, std, logp = flow.step(diff, head_output(model, x, t, z_c, z_u, scale, velocity=True), x, nn,
@@ -209,26 +246,35 @@ def sample(model, diff, cfg: SamplerConfig, cond: jax.Array, null: jax.Array,
                               replace=False)
     varied = jnp.zeros((n_steps,), bool).at[drawn].set(True)
   group = g if share else 1
+  gather = gathers_known(model)
 
-  def body(carry, inp):
+  def body(carry, inp, k_enc, k_head):
     canvas, mask = carry
     start, count, scale, k, vary = inp
-    z_c, z_u = ar_latents(model, canvas, mask, cond, null, guided)
-    pos = jax.lax.dynamic_slice_in_dim(order_pad, start, k_max, axis=1)
+    known = (order[:, :k_enc], start) if gather else None
+    z_c, z_u = ar_latents(model, canvas, mask, cond, null, guided, known)
+    pos = jax.lax.dynamic_slice_in_dim(order_pad, start, k_max, axis=1)  # the record's K = max(counts) positions
     valid = jnp.broadcast_to(jnp.arange(k_max) < count, (b, k_max))
     zc_sel = _gather(z_c, pos)
     zu_sel = None if z_u is None else _gather(z_u, pos)
-    x_init = group_normal(rng.stream(k, "x_T"), (b, k_max, c), canvas.dtype, group, ~vary)
-    x0, xs, std, logp = run_chain(model, diff, x_init, zc_sel, zu_sel, scale, cfg.temperature,
-                                  rng.stream(k, "steps"), cfg.clip_denoised, group, ~vary)
+    head = lambda a: None if a is None else a[:, :k_head]  # the head runs on this segment's largest count only
+    x_init = _noise(rng.stream(k, "x_T"), (b, k_head, c), canvas.dtype, group, ~vary, k_max)
+    x0, xs, std, logp = run_chain(model, diff, x_init, head(zc_sel), head(zu_sel), scale, cfg.temperature,
+                                  rng.stream(k, "steps"), cfg.clip_denoised, group, ~vary, k_max)
+    pad = lambda a, ax: jnp.pad(a, [(0, k_max - k_head if i == ax else 0) for i in range(a.ndim)])
+    x0, xs, std, logp = pad(x0, 1), pad(xs, 2), pad(std, 2), pad(logp, 2)
     return commit(canvas, mask, pos, valid, x0, zc_sel, zu_sel, xs, std, logp, scale, order, record, vary)
 
-  init = (jnp.zeros((b, seq_len, c), jnp.float32), jnp.ones((b, seq_len), bool))
+  carry = (jnp.zeros((b, seq_len, c), jnp.float32), jnp.ones((b, seq_len), bool))
   xs_in = (jnp.asarray(sched.starts), jnp.asarray(sched.counts), jnp.asarray(scales), step_keys, varied)
-  (canvas, mask), rec = jax.lax.scan(body, init, xs_in)
+  recs = []
+  for lo, hi in step_segments(model, diff, sched, cfg.segments):  # each run of steps a scan at its own shape
+    seg_body = functools.partial(body, k_enc=int(sched.starts[hi - 1]), k_head=int(sched.counts[lo:hi].max()))
+    carry, rec = jax.lax.scan(seg_body, carry, jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], xs_in))
+    recs.append(rec)
+  canvas, _ = carry
   chex.assert_shape(canvas, (b, seq_len, c))
-  if record:
-    rec = rec.replace(order=order)
+  rec = jax.tree.map(lambda *a: jnp.concatenate(a), *recs).replace(order=order) if record else None
   return canvas, rec
 
 

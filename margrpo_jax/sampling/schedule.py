@@ -10,6 +10,7 @@ counts dropped (L = 1024, N = 64: 63 steps 1, 2, 2, 3, ...). CFG at step ``s``: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -65,3 +66,36 @@ def cfg_schedule(sched: MaskSchedule, seq_len: int, scale: float, kind: str = "l
   if kind == "linear":
     return (1.0 + (scale - 1.0) * (seq_len - sched.remaining) / seq_len).astype(np.float32)
   raise ValueError(f"cfg_schedule={kind!r} is not one of 'constant', 'linear'")
+
+
+@functools.lru_cache(maxsize=256)
+def _segments(starts: tuple, counts: tuple, max_segments: int, token_cost: float, row_cost: float
+              ) -> tuple[tuple[int, int], ...]:
+  n, inf = len(counts), float("inf")
+  best = [[inf] * (n + 1) for _ in range(max_segments + 1)]  # best[u][h]: steps 0..h-1 in u segments
+  cut = [[0] * (n + 1) for _ in range(max_segments + 1)]
+  best[0][0] = 0.0
+  for u in range(1, max_segments + 1):
+    for hi in range(1, n + 1):
+      rows = 0
+      for lo in range(hi - 1, -1, -1):  # the segment lo..hi-1 at the shape of its largest prefix and count
+        rows = max(rows, counts[lo])
+        c = best[u - 1][lo] + (hi - lo) * (token_cost * starts[hi - 1] + row_cost * rows)
+        if c < best[u][hi]:
+          best[u][hi], cut[u][hi] = c, lo
+  u = min(range(1, max_segments + 1), key=lambda k: (best[k][n], k))
+  out, hi = [], n
+  while u:
+    out.append((cut[u][hi], hi))
+    hi, u = cut[u][hi], u - 1
+  return tuple(reversed(out))
+
+
+def segments(sched: MaskSchedule, max_segments: int, token_cost: float, row_cost: float
+             ) -> tuple[tuple[int, int], ...]:
+  """Consecutive runs ``(lo, hi)`` of AR steps, at most ``max_segments``, each sampled at one static shape (the
+  largest known prefix ``starts[hi - 1]`` for the encoder, the largest count for the head), chosen to minimise
+  ``sum_s token_cost * known_s + row_cost * rows_s`` (dynamic programming; one segment per step when
+  ``max_segments >= N``: every step at its own shape, as the official loop)."""
+  return _segments(tuple(int(s) for s in sched.starts), tuple(int(c) for c in sched.counts),
+                   max(1, min(int(max_segments), sched.num_steps)), float(token_cost), float(row_cost))

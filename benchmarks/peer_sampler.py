@@ -3,7 +3,7 @@ run on the same machine, on the same weights.
 
     python benchmarks/peer_sampler.py [--size=base] [--batch=2] [--num_steps=8] [--diffusion_steps=25]
                                       [--cfg=2.9] [--temperature=1.0] [--repeats=2] [--threads=0]
-                                      [--segments=1,3]
+                                      [--segments=1,4,8]
 
 The PyTorch side (:class:`TorchMAR`, official key names) follows LTH14/mar's ``sample_tokens``: per AR step the
 MAE encoder on the buffer and the visible tokens, the decoder with mask tokens, the cosine mask schedule over a
@@ -231,7 +231,7 @@ def main():
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-  ap.add_argument("--segments", default="1,3", help="this sampler's SamplerConfig.segments to time, comma-separated "
+  ap.add_argument("--segments", default="1,4,8", help="this sampler's SamplerConfig.segments to time, comma-separated "
                   "(the last one is the ratio's)")
   a = ap.parse_args()
   ref, sd, _, graphdef, params = paired_models(a.size, a.threads)

@@ -53,9 +53,9 @@ class SamplerConfig:
                                  # except at this many AR steps, drawn per call (Record.varied); 0: independent
   mask_schedule: str = "cosine"  # 'cosine' (MAR: floor, >= 1 token per step) | 'cos_round' (NOVA: round,
                                  # zero-count steps dropped)
-  segments: int = 3              # AR steps run in at most this many scans, each at its own static shape
+  segments: int = 4              # AR steps run in at most this many scans, each at its own static shape
                                  # (schedule.segments); 1: one scan at the largest step's shape. Each one
-                                 # compiles (~2 s on CPU at MAR-B): 3 keeps compile time within 2x of 1
+                                 # compiles (~1 s on CPU at MAR-B): 4 keeps compile time within 2x of one scan
 
 
 @flax.struct.dataclass

@@ -3,9 +3,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one persistent compilation cache for the session and the
-  import atexit  # noqa: E402  subprocesses it starts: a program compiled by one test (or process) is loaded by
-  import shutil  # noqa: E402  the next that builds the same one (new jitted closures, reruns, process pairs)
+import jax  # noqa: E402,F401  imported before the cache variable is set: this process keeps no persistent cache
+# (jaxlib 0.10 CPU once aborted the whole session serializing an executable after ~30 min of compiles)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one persistent compilation cache for the subprocesses this
+  import atexit  # noqa: E402  session starts (CLI runs, process pairs): a program compiled by one is loaded by
+  import shutil  # noqa: E402  the next that builds the same one
   import tempfile  # noqa: E402
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="margrpo_jax_cache_")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)

@@ -125,6 +125,7 @@ def run_config(name: str, seed: int, control: bool, workdir: str, budget: int = 
   c.num_iters = budget // (c.rl.group_size * c.rl.prompts_per_iter)
   c.save.every = 25
   c.seed = seed
+  c.rl.export_interpolation = 1.0  # the study reads the trained policy itself (--interpolate adds WiSE readings)
   c.rl.shuffle_advantages = control
   c.eval.update(num_prompts=16, batch_size=16)  # the job's own before / after check; the study measures below
   c.tfds_dir = os.path.join(workdir, "tfds")

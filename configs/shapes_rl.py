@@ -10,8 +10,8 @@ Variants (the ablation ladder of the paper, chain estimator, ``rl.fidelity='inte
   frozen_head_mte_topk  + MTE only on the top-k% uncertain tokens
   margrpo               + consistency-aware token selection (all stabilisers of the paper)
   paper                 MAR-GRPO as the official code computes it (``rl.fidelity='official'``, where MTE, top-k and
-                        consistency act) with only the diffusion-window fix, strict pass as the reward, the main
-                        job's budget (12,800 rollout images) and EMA export
+                        consistency act) with only the diffusion-window fix, strict pass as the reward, the
+                        study's matched budget (12,800 rollout images) and EMA export
 and, beyond the paper (each a named estimator of margrpo_jax/rl/estimators/, docs/estimators.md):
   focused               the policy term on the decoded tokens' own chains only (no MTE or consistency: the other
                         chains carry no reward signal), every step of the scored-step window, and common random
@@ -19,7 +19,8 @@ and, beyond the paper (each a named estimator of margrpo_jax/rl/estimators/, doc
                         AR steps). See docs/rl_signal.md.
   token_elbo            each committed token's head ELBO under its AR step's latent, q-MTE on the top-k tokens
   image_elbo            MAR's training ELBO of the tokenizer's re-encoding of the decoded image, better-than-group
-                        images only (RAFT / RWR), no label drop, EMA export; 200 iterations of 64 images
+                        images only (RAFT / RWR), no label drop; 200 iterations of 16 prompts x 8 images; its
+                        EMA exported three quarters of the way from the base (WiSE-FT, ``rl.export_interpolation``)
   awm                   the same ELBO with signed advantages clipped to [-1, 1] and a KL anchor to the base
   nft                   DiffusionNFT: implicit positive / negative denoisers around the rollout policy
 Estimator fixes on by default (each a switch; ``rl.fidelity='official'`` restores the official behaviour):
@@ -97,6 +98,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mar_objective=dict(mask_ratio="cosine", diffusion_batch_mul=4, label_drop=0.1),  # image_elbo / awm / nft: the
                                   # draws of MAR's training loss (label_drop: share of images scored unconditioned)
       ema_decay=0.0,              # > 0: export and evaluate an EMA of the policy (d ema + (1 - d) policy per update)
+      export_interpolation=1.0,   # a in (0, 1]: export and evaluate theta_0 + a (theta - theta_0), the trained policy
+                                  # (or its EMA) moved only part of the way from the base (WiSE-FT; keeps diversity)
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
       ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
       kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]
@@ -153,8 +156,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.lr = 1e-4
     c.rl.update(estimator=variant, beta=0.0)
     c.rl.mar_objective.label_drop = 0.0  # no gradient into the unconditional branch (docs/estimators.md)
-  if variant == "image_elbo":
-    c.rl.positive_only = True
+  if variant == "image_elbo":  # the main job: twice the prompts per update (25,600 images), exported at a = 0.75
+    c.rl.update(positive_only=True, prompts_per_iter=16, export_interpolation=0.75)
   if variant == "awm":
     c.rl.update(adv_clip=1.0, beta=1.0, anchor="ref")
   if variant == "nft":

@@ -62,7 +62,7 @@ IN_RANGE = {
     "rl.ema_decay": (0, 1, True, False), "rl.flow_noise_level": (0, INF, True, False),
     "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
     "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
-    "rl.diversity_bonus": (0, INF, True, False),
+    "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
 OPTIONS = {

@@ -50,6 +50,7 @@ CASES = [
     ("window", "main", [RL, "--config.rl.diffusion_window=1-3"], "rl.diffusion_window='1-3'"),
     ("minibatches", "main", [RL, "--config.rl.num_minibatches=3"], "rl.num_minibatches=3"),
     ("ema", "main", [RL, "--config.rl.ema_decay=1.0"], "rl.ema_decay=1.0"),
+    ("wise", "main", [RL, "--config.rl.export_interpolation=0"], "rl.export_interpolation=0"),
     ("beta", "main", [RL, "--config.rl.beta=-0.1"], "rl.beta=-0.1"),
     ("clip_eps", "main", [RL, "--config.rl.clip_eps=nan"], "rl.clip_eps=nan"),
     ("no_reward", "main", [RL, "--config.rl.rewards.shapes_strict=0"], "rl.rewards"),

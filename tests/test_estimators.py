@@ -37,7 +37,8 @@ def test_presets_are_the_estimators_they_name():
     rl_config.resolve_fidelity(c)
     sc = rl_config.step_config(c)
     assert sc.estimator == ("chain" if v == "paper" else v)
-    assert (c.num_iters * c.rl.group_size * c.rl.prompts_per_iter, c.rl.ema_decay) == (12_800, 0.95), v
+    images = 25_600 if v == "image_elbo" else 12_800  # the main job: twice the prompts per update
+    assert (c.num_iters * c.rl.group_size * c.rl.prompts_per_iter, c.rl.ema_decay) == (images, 0.95), v
     assert c.rl.rewards.shapes_strict == 1.0 and c.rl.rewards.shapes_partial == 0.0, v
   c = config_files.load("shapes_rl", "paper")
   changed = rl_config.resolve_fidelity(c)

@@ -1,6 +1,7 @@
 """The RL job end to end on the small model: updates reach the AR backbone only (head bitwise unchanged), a NaN
 reward skips the step, and a killed run resumes to the same parameters as an uninterrupted one."""
 import copy
+import dataclasses
 import json
 import os
 
@@ -228,6 +229,10 @@ def test_image_elbo_step_is_the_advantage_weighted_elbo_gradient_and_exports_the
   want = jax.tree.map(lambda b, p: 0.5 * b + 0.5 * p, s.policy, state["policy"])
   assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), state["ema"], want))
   assert not _same(state["ema"], state["policy"]) and s.trained_policy(state) is state["ema"]
+  wise = dataclasses.replace(s, static=dataclasses.replace(s.static, export_interpolation=0.25))
+  want = jax.tree.map(lambda b, e: b + 0.25 * (e - b), s.policy, state["ema"])  # WiSE-FT: theta_0 + a (theta - theta_0)
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-7), wise.trained_policy(state), want))
+  assert _same(wise.trained_params(state)["head"], s.frozen["head"])  # the frozen parts are the base's
 
 
 @pytest.mark.slow

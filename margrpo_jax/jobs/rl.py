@@ -102,8 +102,11 @@ class Setup:
     return jax.device_put(state, self.state_shardings)
 
   def trained_policy(self, state: dict) -> dict:
-    """The fine-tuned policy: its EMA when ``rl.ema_decay``, else the last iterate."""
-    return state["ema" if self.static.ema_decay else "policy"]
+    """The fine-tuned policy theta (its EMA when ``rl.ema_decay``, else the last iterate), moved only the fraction
+    a = ``rl.export_interpolation`` of the way from the base theta_0: theta_0 + a (theta - theta_0) (WiSE-FT
+    weight interpolation; a = 1 is theta itself). What the job evaluates and exports."""
+    theta, a = state["ema" if self.static.ema_decay else "policy"], self.static.export_interpolation
+    return theta if a == 1.0 else jax.tree.map(lambda t, b: b + a * (t - b), theta, self.policy)
 
   def trained_params(self, state: dict) -> dict:
     """The fine-tuned model's parameters: the frozen parts with :meth:`trained_policy`."""

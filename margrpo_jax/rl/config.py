@@ -165,7 +165,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   sc = step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
                            num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates,
                            estimator=rl.estimator, forward=fcfg,
-                           ema_decay=float(rl.ema_decay), respacing=str(config.sampling.diffusion_steps),
+                           ema_decay=float(rl.ema_decay), export_interpolation=float(rl.export_interpolation),
+                           respacing=str(config.sampling.diffusion_steps),
                            optim=config.optim.to_json(sort_keys=True),
                            total_steps=config.num_iters * rl.num_inner * rl.num_minibatches,
                            flow=(noise, float(config.sampling.get("flow_shift", 1.0))) if is_flow else None)

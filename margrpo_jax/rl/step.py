@@ -54,6 +54,7 @@ class StepConfig:
   estimator: str = "chain"     # rl.estimator (rl/estimators/): chain, token_elbo, image_elbo, awm, nft
   forward: forward_lib.ForwardConfig = forward_lib.ForwardConfig()  # the forward-process estimators' settings
   ema_decay: float = 0.0       # > 0: an EMA of the policy in the state (exported and evaluated)
+  export_interpolation: float = 1.0  # a in (0, 1]: export and evaluate theta_0 + a (theta - theta_0) (WiSE-FT)
   respacing: str = "25"        # the rollout's diffusion steps (a respacing of num_train_steps)
   optim: str = "{}"            # config.optim as JSON (hashable)
   total_steps: int = 1         # optimizer steps over the run (the learning-rate schedule's length)

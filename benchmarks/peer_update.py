@@ -13,13 +13,15 @@ the backbone. The batch (rollout, MTE chains, top-k, consistency selection, refe
 this project (``rl/step.py: build_batch``) and handed to both; the PyTorch side (:func:`torch_loss`) follows
 ``rl/loss.py`` term by term on :class:`peer_sampler.TorchMAR` (official key names). Before anything is timed the
 two gradients, the torch one mapped through ``convert/mar.py``, must agree. Prints s / update for both (median
-of ``--repeats`` after a warm-up), the JAX compile time, and their ratio.
+of ``--repeats`` after a warm-up), the JAX compile time, and their ratio; the last line is that ratio as JSON
+(``speedup_vs_torch``).
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import functools
+import json
 import math
 import time
 
@@ -247,6 +249,8 @@ def main():
         f"| margrpo_jax (jit, lax.scan over AR steps) | {jax_s:.2f} | {first - jax_s:.1f} |\n"
         f"| PyTorch, official structure | {torch_s:.2f} | - |")
   print(f"speed-up: {torch_s / jax_s:.2f}x")
+  print(json.dumps(dict(speedup_vs_torch=round(torch_s / jax_s, 3), jax_s=round(jax_s, 3), torch_s=round(torch_s, 3),
+                        compile_s=round(first - jax_s, 1), size=a.size, batch=a.batch)))
 
 
 if __name__ == "__main__":

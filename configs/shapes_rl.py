@@ -123,7 +123,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
                                   # and eval); params, grads, optimizer state and log-probs stay float32
                                   # (models/precision.py)
-      debug_nan_iter=-1,          # test hook: inject a NaN reward at this iteration
   )
   c.rewards = registry.settings_config()  # learned rewards: checkpoint, vocab and options per name
   c.optim = dict(lr=3e-5, warmup_steps=0, decay="constant", final_lr_frac=1.0, b1=0.9, b2=0.999, eps=1e-8,

@@ -45,7 +45,6 @@ HARMLESS = [
      "a finite value with no upper bound; a run it makes diverge stops at the first non-finite value, unsaved"),
     (r"rl\.rewards\.\w+|rewards\.(hps|pickscore)\.scale", {"huge", "negative"},
      "a signed weight or scale (negative: minimise that reward)"),
-    (r"rl\.debug_nan_iter", {"negative"}, "-1 = off"),
     (r"parallel\.mesh\.\w+", {"negative"}, "-1 = the devices the other axes leave"),
 ]
 

@@ -122,9 +122,17 @@ def test_export_mode_writes_a_bf16_policy_that_sample_loads(tmp_path, base, shap
 
 
 @pytest.mark.slow
-def test_nan_reward_skips_the_step(tmp_path, base, shapes_tfds):
+def test_nan_reward_skips_the_step(tmp_path, base, shapes_tfds, monkeypatch):
   base_dir, params = base
-  config = _config(base_dir, debug_nan_iter=0)
+  rollout = rl_job.rollout
+
+  def nan_at_first(config, s, policy, recs, it):  # one non-finite reward in iteration 0
+    ro = rollout(config, s, policy, recs, it)
+    if it == 0:
+      ro["reward"] = np.where(np.arange(len(ro["reward"])) == 0, np.nan, ro["reward"])
+    return ro
+  monkeypatch.setattr(rl_job, "rollout", nan_at_first)
+  config = _config(base_dir)
   config.num_iters, config.tfds_dir = 1, shapes_tfds
   state = rl_job.run(config, str(tmp_path / "w"))
   assert _same(state["policy"], {k: params[k] for k in ("text_encoder", "backbone")})

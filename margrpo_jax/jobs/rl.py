@@ -212,8 +212,6 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   g = config.rl.group_size
   ro = rollout(config, s, state["policy"], train_recs, it)
   reward = ro["reward"]
-  if config.rl.debug_nan_iter == it:  # test hook: a non-finite reward
-    reward = ro["reward"] = np.where(np.arange(len(reward)) == 0, np.nan, reward)
   if not np.all(np.isfinite(reward)):
     return dict(state, step=state["step"] + 1), None, ro
   ids, tokens = ro["ids"], training_tokens(config, s, ro)

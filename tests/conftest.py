@@ -74,3 +74,16 @@ def shapes_tfds(tmp_path_factory):
   folder = tmp_path_factory.mktemp("shapes_tfds")
   tfds_builders.prepare("shapes_world", str(folder))
   return str(folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drop every test module's compiled programs when it ends. XLA:CPU maps each executable's code into the process;
+  a whole-suite session that kept them all reached the kernel's limit of 65,530 memory maps (vm.max_map_count)
+  and died inside the compiler (a segfault or abort ~35 minutes in). Session fixtures keep theirs; the rest are
+  compiled again by the module that needs them."""
+  yield
+  import gc  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  jax.clear_caches()
+  gc.collect()

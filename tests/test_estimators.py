@@ -84,6 +84,7 @@ def _grad(fn, p):
   return jnp.concatenate([x.ravel() for x in jax.tree.leaves(jax.grad(fn)(p))])
 
 
+@pytest.mark.slow
 def test_forward_estimators_state_their_gradients(images):
   """image_elbo: mean_i A_i grad l_i; awm: the same with clipped A plus beta grad of the eps distance to the
   anchor; nft: at theta = old, its gradient is that of awm's policy term on the eps MSE, 2 mean_i clip(A_i) (eps - eps_t)
@@ -137,6 +138,7 @@ def test_nft_regresses_towards_a_bounded_target(images):
   assert float(jnp.abs(jax.grad(loss)(star + 0.1)).min()) > 0
 
 
+@pytest.mark.slow
 def test_token_elbo_q_mte_draws_the_committed_tokens_forward_process(images, small_model):
   """token_elbo: the main and the S q-MTE draws of an uncertain token are its committed value noised at the
   scored levels, x_t = sqrt(abar) x_0 + sqrt(1 - abar) eps with x_prev = eps; the loss is finite and reaches the

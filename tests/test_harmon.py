@@ -320,6 +320,7 @@ def test_sample_mode_names_each_missing_path(converted, tmp_path):
     harmon.Harmon.prompt_ids(checkpoint.load_model(converted[3])[0], ["a cat"])
 
 
+@pytest.mark.slow
 def test_generate_decodes_through_a_vae_export(converted, tmp_path):
   """Prompts -> images through generate.generate: the family hooks (prompt_ids; decode_images through a tiny
   random KL-16-layout export with one downsampling level, 8 x 8 tokens -> 16 x 16 px) around the MAR sampler with

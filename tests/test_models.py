@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from margrpo_jax.models import text
@@ -25,6 +26,7 @@ def _mar_reference(bb, tokens, mask, cond):
   return bb.decoder_norm(full)[:, bb.buffer_size:] + bb.diffusion_pos_embed_learned[...]
 
 
+@pytest.mark.slow
 def test_key_masked_encoder_equals_dropping_masked_tokens(small_model):
   model_cfg, graphdef, params = small_model
   model = nnx.merge(graphdef, params)

@@ -418,6 +418,7 @@ def test_nova_mask_schedule():
   np.testing.assert_array_equal(schedule.rounded_cosine_schedule(4096, 64).counts[:4], [1, 4, 6, 9])
 
 
+@pytest.mark.slow
 def test_sample_tiny_image_from_converted_checkpoint(pair, tmp_path):
   """The converted tiny checkpoint (the fixture's) samples through the family hooks: prompt ids
   from a tokenizer.json, NOVA's sampler (4 AR steps, 3 flow steps, CFG 5, Flow-GRPO SDE noise 0.7 with a record),

@@ -95,6 +95,7 @@ def official(small_model):
   return graphdef, params, diff, sc, batch
 
 
+@pytest.mark.slow
 def test_official_loss_and_gradient_equal_a_plain_reimplementation(official):
   graphdef, params, diff, sc, batch = official
   lc = sc.loss

@@ -13,6 +13,7 @@ from margrpo_jax.jobs import pretrain
 from margrpo_jax.models import objective
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_a_fixed_batch():
   config = smoke_config()
   config.optim.update(lr=3e-3, warmup_steps=1, decay="constant")

@@ -79,6 +79,7 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   assert h.rl.mask_after_step  # Harmon's post-step mask (B1)
 
 
+@pytest.mark.slow
 def test_tiny_configs_sample_from_their_random_base(tmp_path):
   """``mode=sample`` on a tiny config needs no checkpoint: the random-weight base is written once into
   ``W/random_base`` and reused (the same export RL starts from)."""

@@ -40,6 +40,7 @@ def _loss(graphdef, params, batch, lcfg=LCFG):
   return jax.jit(lambda p: loss_lib.loss_fn(nnx.merge(graphdef, p), DIFF, lcfg, batch))(params)
 
 
+@pytest.mark.slow
 def test_first_update_ratio_is_one_and_kl_zero(rollout):
   graphdef, params, build = rollout
   batch, info = build(batch_lib.BatchConfig(num_ar_steps=3, num_diffusion_steps=4, mte_seeds=2), params)
@@ -62,6 +63,7 @@ def test_first_update_ratio_is_one_and_kl_zero(rollout):
   np.testing.assert_array_equal(np.asarray(batch.visible), ~np.asarray(batch.region))
 
 
+@pytest.mark.slow
 def test_mte_with_the_main_trajectory_equals_single_trajectory(rollout):
   graphdef, params, build = rollout
   batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=0), params)
@@ -73,6 +75,7 @@ def test_mte_with_the_main_trajectory_equals_single_trajectory(rollout):
   np.testing.assert_allclose(l1, l2, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_mte_on_gathered_topk_tokens_scatters_back_to_their_positions(rollout):
   """MTE trajectories are kept for the K uncertain tokens only; S = 1 copies of the main trajectory at those
   positions must reproduce the single-trajectory loss exactly (gather and scatter agree)."""
@@ -92,6 +95,7 @@ def test_mte_on_gathered_topk_tokens_scatters_back_to_their_positions(rollout):
   assert np.abs(g_mte - g_single).max() > 1e-3 * np.abs(g_single).max()  # real MTE trajectories do differ
 
 
+@pytest.mark.slow
 def test_gradients_reach_the_backbone_not_the_head(rollout):
   graphdef, params, build = rollout
   batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2), params)
@@ -104,6 +108,7 @@ def test_gradients_reach_the_backbone_not_the_head(rollout):
   assert norm(grads["backbone"]) > 0 and norm(grads["text_encoder"]) > 0
 
 
+@pytest.mark.slow
 def test_official_switches(rollout):
   graphdef, params, build = rollout
   off = batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2, mask_after_step=True,
@@ -119,6 +124,7 @@ def test_official_switches(rollout):
   assert np.isfinite(float(loss)) and float(m["clip_frac"]) == 0.0
 
 
+@pytest.mark.slow
 def test_commit_time_mte_guided_uses_the_recorded_uncond_latents(rollout):
   """Official Harmon: MTE chains from the commit-time cond and uncond latents with CFG; NOVA: unguided (B6).
   Same keys, so the two differ only through the guidance."""
@@ -172,6 +178,7 @@ def test_default_window_drops_the_first_and_last_steps_and_zero_scores_all_of_it
     batch_lib.validate(batch_lib.BatchConfig(topk_scope="everywhere"), 10)
 
 
+@pytest.mark.slow
 def test_decoded_tokens_in_u_keep_their_own_chain(rollout):
   """U = the whole region = the decoded tokens: with ``mte_actual='keep'`` MTE changes nothing (each decoded
   token's image-producing chain is scored as is); 'replace' (official) swaps it for the MTE mean; 'include'
@@ -196,6 +203,7 @@ def test_decoded_tokens_in_u_keep_their_own_chain(rollout):
   assert np.linalg.norm(grad(batch, "include") - base) > 1e-3 * scale
 
 
+@pytest.mark.slow
 def test_uncertainty_comes_from_chains_independent_of_the_scored_ones(rollout):
   """Scoring the last transition, the scored MTE chains' final samples are in the batch: their per-token std is
   the uncertainty U was chosen from with ``selection_chains='scored'`` (official), and is not with
@@ -211,6 +219,7 @@ def test_uncertainty_comes_from_chains_independent_of_the_scored_ones(rollout):
     assert np.allclose(scored, at_u, atol=1e-5) == same
 
 
+@pytest.mark.slow
 def test_sigma_grad_changes_the_gradient_not_the_value(rollout):
   graphdef, params, build = rollout
   batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2), params)
@@ -222,6 +231,7 @@ def test_sigma_grad_changes_the_gradient_not_the_value(rollout):
   assert np.abs(flat(g1) - flat(g2)).max() > 1e-3 * np.abs(flat(g1)).max()
 
 
+@pytest.mark.slow
 def test_elbo_log_likelihood_scores_the_final_tokens(rollout):
   """``logp='elbo'`` (token_elbo): the scored terms are the head's denoising errors of each decoded token's final value at the
   chosen noise levels (fresh noise): ratio 1 and KL 0 at the first update, and a step along the gradient with
@@ -251,6 +261,7 @@ def test_elbo_log_likelihood_scores_the_final_tokens(rollout):
   assert err(moved) < err(params)
 
 
+@pytest.mark.slow
 def test_per_pixel_uncertainty_mixes_the_mte_estimate_per_element(rollout):
   """Official NOVA (A3, C3): U ranks latent pixels (here 4 of 12 values per 48-value token) over all positions and
   adds one random pixel; the loss mixes the MTE estimate per element. Under ratio='none' its gradient is affine
@@ -276,6 +287,7 @@ def test_per_pixel_uncertainty_mixes_the_mte_estimate_per_element(rollout):
   np.testing.assert_allclose(with_elems(whole), tokens, atol=1e-5 * np.abs(tokens).max())
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_agrees_with_float32(rollout):
   """``rl.compute_dtype='bfloat16'`` (models/precision.py): the same batch scored by the bfloat16 graph gives the
   float32 loss within 2e-2 (relative), log-probs within 5e-2 nats of the rollout's, a gradient of cosine > 0.99,

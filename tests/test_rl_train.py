@@ -187,6 +187,7 @@ def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, 
   assert sc.sequential and sc.loss.clip_eps == 0.0 and sc.loss.ratio == "none" and sc.batch.diffusion_window == (0, None)
 
 
+@pytest.mark.slow
 def test_minibatches_and_epochs_take_that_many_optimizer_steps(base):
   """``num_inner`` x ``num_minibatches`` optimizer steps per iteration on consecutive row blocks; the Adam step
   counter says how many were taken."""
@@ -201,6 +202,7 @@ def test_minibatches_and_epochs_take_that_many_optimizer_steps(base):
   assert np.isfinite(m["loss"]) and not _same(state["policy"], s.policy)
 
 
+@pytest.mark.slow
 def test_image_elbo_step_is_the_advantage_weighted_elbo_gradient_and_exports_the_ema(tmp_path, base):
   """``rl.estimator='image_elbo'``: one plain-gradient step moves the policy by ``-lr mean_i A_i grad l_i`` with
   ``l_i`` MAR's training loss of image i at the step's own draws (computed here image by image through
@@ -261,6 +263,7 @@ def test_a_diverging_run_is_stopped_before_anything_broken_is_saved(tmp_path, ba
   assert not (tmp_path / "w" / "export").exists() and not (tmp_path / "w" / "report.json").exists()
 
 
+@pytest.mark.slow
 def test_pretrain_mix_adds_rendered_train_images_weighted_like_an_advantage(base):
   """``rl.pretrain_mix``: a quarter-batch of rendered train images joins the update with weight ``pretrain_mix``;
   with every advantage zero (a constant reward) the update is then MAR's pretraining loss alone (it moves the

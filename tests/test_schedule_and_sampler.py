@@ -63,6 +63,7 @@ def test_segments_cover_the_steps_and_cost_less_with_more_of_them():
   assert c7(schedule.segments(small, 3, 2.0, 5.0)) == min(c7(s) for s in splits)
 
 
+@pytest.mark.slow
 def test_segmented_sampler_draws_the_same_tokens(small_model):
   """Each AR step at its own shape (the encoder on the known tokens, the head on the step's count) draws the
   tokens and records of one scan at the largest shape from the same key, to float tolerance (the encoder sums
@@ -128,6 +129,7 @@ def test_every_token_decoded_once_and_counts_follow_schedule(small_model):
         np.testing.assert_array_equal(np.asarray(tokens)[b, pos[s, b, k]], xs[s, -1, b, k])
 
 
+@pytest.mark.slow
 def test_cfg_scale_one_equals_unguided(small_model):
   guided, _ = _run(small_model, S.SamplerConfig(num_steps=6, cfg_scale=1.0, guidance=True, clip_denoised=True), record=False)
   plain, _ = _run(small_model, S.SamplerConfig(num_steps=6, cfg_scale=1.0, guidance=False, clip_denoised=True), record=False)
@@ -148,6 +150,7 @@ def test_deterministic_and_seed_dependent(small_model):
 # With clip_denoised (the shapes-world setting) chains stay in [-5, 5] and float32 recomputation agrees to
 # ~1e-5; unclipped chains of an undertrained head pass through |x| ~ 1e4 at the noisiest step (sqrt(1/abar)
 # ~ 2e4), where float32 itself cannot agree to better than ~1 nat.
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg_scale,temperature", [(1.0, 1.0), (3.0, 0.8)])
 def test_recorded_logprobs_equal_recomputed(small_model, cfg_scale, temperature):
   model_cfg, graphdef, params = small_model
@@ -194,6 +197,7 @@ def test_order_group_shares_the_generation_order(small_model):
   assert (order[0] != order[2]).any()
 
 
+@pytest.mark.slow
 def test_vary_steps_share_the_group_noise_elsewhere(small_model):
   """``vary_steps=m``: exactly ``m`` recorded steps have varied noise. At every other step the rows of a group
   start their chains from one x_T, at the varied ones from their own; different groups never share noise; up to

@@ -137,10 +137,12 @@ def figure(rs, path):
 
 
 def with_archive(by, archive):
-  """Adds the archived rows that no new record replaces (same split, sampling, cell and control)."""
+  """Adds the archived rows that no new record replaces (same split, sampling, cell and control; and, where the
+  archived row names its training ``seeds``, a record of each of them)."""
   for a in archive:
     key = (a["split"], a["sampling"])
-    if any(r["cell"] == a["cell"] and r["control"] == a["control"] for r in by.get(key, [])):
+    if any(r["cell"] == a["cell"] and r["control"] == a["control"] and set(a.get("seeds", ())) <= set(r["seeds"])
+           for r in by.get(key, [])):
       continue
     by[key].append(dict(a, gain={"strict": a["strict"]}))
   for v in by.values():

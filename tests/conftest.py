@@ -3,8 +3,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import jax  # noqa: E402,F401  imported before the cache variable is set: this process keeps no persistent cache
-# (jaxlib 0.10 CPU once aborted the whole session serializing an executable after ~30 min of compiles)
+import gc  # noqa: E402
+
+import jax  # noqa: E402  imported before the cache variable is set: this process keeps no persistent cache
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # one persistent compilation cache for the subprocesses this
   import atexit  # noqa: E402  session starts (CLI runs, process pairs): a program compiled by one is loaded by
   import shutil  # noqa: E402  the next that builds the same one
@@ -83,7 +84,5 @@ def _release_compiled_programs():
   and died inside the compiler (a segfault or abort ~35 minutes in). Session fixtures keep theirs; the rest are
   compiled again by the module that needs them."""
   yield
-  import gc  # noqa: PLC0415
-  import jax  # noqa: PLC0415
   jax.clear_caches()
   gc.collect()

@@ -108,6 +108,14 @@ CELLS = {
                                   "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 1", (16, 8)),
     "image_elbo_p16_div": Cell("image_elbo", (("rl.diversity_bonus", 0.5),),
                                "image ELBO, A >= 0, 16 x 8, + distinctness bonus 0.5 in the reward", (16, 8)),
+    # k. the ELBO's own noise: one draw of MAR's training randomness per image gives a gradient whose cosine with
+    #    another draw on the same images is 0.08 (128 images, base policy), so the draws, not the images, dominate
+    #    each step. Scoring only the 64 images of largest weight (positive-only weights leave about half at 0) with 2
+    #    or 4 independent draws each: the same or twice the update cost, 2-4x less draw noise per step.
+    "image_elbo_p16_r64d2": Cell("image_elbo", (("rl.elbo_rows", 64), ("rl.elbo_draws", 2)),
+                                 "image ELBO, A >= 0, 16 x 8, the 64 heaviest images x 2 draws", (16, 8)),
+    "image_elbo_p16_r64d4": Cell("image_elbo", (("rl.elbo_rows", 64), ("rl.elbo_draws", 4)),
+                                 "image ELBO, A >= 0, 16 x 8, the 64 heaviest images x 4 draws", (16, 8)),
     "image_elbo_p16_anchor01": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 0.1)),
                                     "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 0.1",
                                     (16, 8)),

@@ -127,6 +127,30 @@ def test_forward_estimators_state_their_gradients(images):
   np.testing.assert_allclose(got, _grad(first_order, policy), rtol=1e-4, atol=1e-7)
 
 
+def test_forward_update_scores_the_heaviest_rows_with_several_draws(images):
+  """``forward.rows`` keeps the rows of largest |A| with weights scaled by rows / B, ``forward.draws`` scores each
+  several times: the update equals a plain one on that hand-made batch (the same shapes, so the same draws)."""
+  import optax  # noqa: PLC0415
+  graphdef, params, ids, final, _, _ = images
+  obj = objective.MaskedObjective(label_drop=0.0)
+  ctx, policy, frozen, anchor = _ctx(graphdef, params, "image_elbo", objective=obj)
+  tx, key = optax.sgd(1e-2), jax.random.key(3)  # sgd: the weights' scale shows in the step
+  adv = jnp.array([0.0, 1.5, 0.0, 0.5])  # positive-only weights: two rows carry all of it
+
+  def update(fc, ids, adv, tokens):
+    sc = dataclasses.replace(ctx.sc, forward=fc)
+    state = dict(policy=policy, opt=tx.init(policy), step=jnp.zeros((), jnp.int32))
+    new, m = step_lib.forward_update(graphdef, tx, ctx.train_diff, sc, state, frozen, anchor, ids, adv, tokens, key)
+    return jnp.concatenate([x.ravel() for x in jax.tree.leaves(new["policy"])]), m
+
+  got, m = update(forward.ForwardConfig(objective=obj, rows=2, draws=3), ids, adv, final)
+  tiled = lambda x: jnp.concatenate([x[jnp.array([1, 3])]] * 3)
+  want, _ = update(forward.ForwardConfig(objective=obj), tiled(ids), tiled(adv) * 2 / 4, tiled(final))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  assert float(m["kept_weight"]) == 1.0
+  assert float(update(forward.ForwardConfig(objective=obj, rows=1), ids, adv, final)[1]["kept_weight"]) == 0.75
+
+
 def test_nft_regresses_towards_a_bounded_target(images):
   """Away from the old policy the nft loss is a convex regression in eps_theta with the finite minimiser
   eps* = eps_old + (2 r - 1) (eps - eps_old) / s: its eps-gradient vanishes there and nowhere else."""

@@ -134,14 +134,22 @@ class Context:
 
 def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref, ids, adv, tokens, key):
   """A forward-process estimator (``sc.estimator``: image_elbo, awm, nft): ``num_inner`` passes of
-  ``num_minibatches`` optimizer steps over row blocks of ``(ids, adv, tokens)``; step ``u`` draws its own
-  orders, masks and noise levels from ``fold_in(key, u)``."""
-  est = estimators.get(sc.estimator)
+  ``num_minibatches`` optimizer steps over row blocks of ``(ids, adv, tokens)`` (the ``forward.rows`` of largest
+  ``|A|`` when set, each scored with ``forward.draws`` independent draws); step ``u`` draws its own orders, masks
+  and noise levels from ``fold_in(key, u)``."""
+  est, fc = estimators.get(sc.estimator), sc.forward
+  kept = jnp.ones(())  # the share of sum |A| the update scores
+  if fc.rows:  # the rows of largest |A|, reweighted so that the loss is the whole batch's less the dropped terms
+    keep = jax.lax.top_k(jnp.abs(adv), fc.rows)[1]
+    total = jnp.sum(jnp.abs(adv))
+    kept = jnp.where(total > 0, jnp.sum(jnp.abs(adv[keep])) / jnp.maximum(total, 1e-30), 1.0)
+    ids, adv, tokens = ids[keep], adv[keep] * (fc.rows / adv.shape[0]), tokens[keep]
   rows = adv.shape[0] // sc.num_minibatches
   anchors = dict(ref=ref, rollout=jax.lax.stop_gradient(state["policy"]))
 
   def one(state, u):
-    block = lambda x: jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows)
+    block = lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows)] *
+                                      fc.draws)  # each row ``draws`` times: independent draws, averaged by the mean
     ctx = Context(graphdef, sc, train_diff, frozen, dict(anchors, **({"ema": state["ema"]} if "ema" in state else {})))
     objective_fn = lambda p: est.loss(ctx, p, Block(block(ids), block(adv), block(tokens)), jax.random.fold_in(key, u))
     (loss, m), grads = jax.value_and_grad(objective_fn, has_aux=True)(state["policy"])
@@ -150,7 +158,7 @@ def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref,
     return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
 
   state, ms = jax.lax.scan(one, state, jnp.arange(sc.num_inner * sc.num_minibatches))
-  return dict(state, step=state["step"] + 1), jax.tree.map(jnp.mean, ms)
+  return dict(state, step=state["step"] + 1), dict(jax.tree.map(jnp.mean, ms), kept_weight=kept)
 
 
 def rl_step(graphdef, tx, diff, sc: StepConfig, state, frozen, ref, ids, adv, rec, final, key, train_diff=None):

@@ -35,6 +35,11 @@ class ForwardConfig:
   anchor: str = "ref"        # the model awm is held to / nft's old policy: 'ref' the frozen base | 'ema' the policy's
                              # EMA | 'rollout' the policy that sampled the batch
   nft_strength: float = 1.0  # DiffusionNFT's beta: eps_+- = eps_old +- beta (eps_theta - eps_old)
+  rows: int = 0              # > 0: an update scores only the ``rows`` images of largest |A| (the others weigh 0 or
+                             # little under ``positive_only``), each row's weight scaled by rows / B so the loss is the
+                             # whole batch's sum less the dropped terms
+  draws: int = 1             # independent draws (order, mask ratio, noise levels) per scored image, averaged: the
+                             # ELBO's own noise, not the images', dominates one draw's gradient (docs/estimators.md)
 
 
 ANCHORS = ("ref", "ema", "rollout")

@@ -39,6 +39,7 @@ from margrpo_jax.rewards import registry  # noqa: E402
 from margrpo_jax.jobs import rl as rl_job  # noqa: E402
 from margrpo_jax.rl import advantages, estimators, loss as loss_lib, prompts as rl_prompts  # noqa: E402
 from margrpo_jax.rl import config as rl_config, step as step_lib  # noqa: E402
+from margrpo_jax.rl.estimators import forward  # noqa: E402
 from margrpo_jax.sampling.sampler import Record  # noqa: E402
 
 K_AXIS = dict(j=1, x_t=1, x_prev=1, old_logp=1, ref_mean=1, ref_std=1, mte_x_t=2, mte_x_prev=2, mte_old_logp=2)
@@ -108,7 +109,8 @@ def main():
 
     @jax.jit
     def fgrad(policy, ids, a, tok, key):
-      g = jax.grad(lambda p: est.loss(ctx, p, step_lib.Block(ids, a, tok), key)[0])(policy)
+      d = forward.draw(sc.forward.objective, ctx.train_diff, tok, key)
+      g = jax.grad(lambda p: est.loss(ctx, p, step_lib.Block(ids, a, tok), d)[0])(policy)
       return jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])
 
     cut = lambda x, q: x[q * n:(q + 1) * n]

@@ -121,6 +121,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
       num_inner=1,                # passes over each rollout's batch (PPO epochs; the ratio is 1 only in the first)
       num_minibatches=1,          # optimizer steps per pass, each on consecutive blocks of the iteration's images
+      microbatch=0,               # > 0: an optimizer step's images scored this many at a time, gradients summed
+                                  # (exact; the activation memory of one microbatch); 0 = all at once
       remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
       compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
                                   # and eval); params, grads, optimizer state and log-probs stay float32

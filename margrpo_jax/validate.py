@@ -41,9 +41,9 @@ AT_LEAST = {
     "save.every": 1, "save.keep": 1, "checkpoint.every": 1, "checkpoint.keep": 1, "grid_size": 0,
     "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1,
     "sampling.num_steps": 1, "optim.warmup_steps": 0, "mar.diffusion_batch_mul": 1,
-    "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.mte_seeds": 0,
-    "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1, "rl.elbo_rows": 0,
-    "rl.elbo_draws": 1,
+    "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.microbatch": 0,
+    "rl.mte_seeds": 0, "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1,
+    "rl.elbo_rows": 0, "rl.elbo_draws": 1,
     "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
     "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1, "parallel.init_timeout_s": 1,
 }

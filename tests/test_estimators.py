@@ -102,7 +102,8 @@ def test_forward_estimators_state_their_gradients(images):
     return d, l, eps
 
   ctx, policy, frozen, anchor = _ctx(graphdef, params, "image_elbo", objective=obj)
-  got = _grad(lambda p: estimators.get("image_elbo").loss(ctx, p, block, key)[0], policy)
+  d = forward.draw(obj, ctx.train_diff, final, key)  # every estimator below scores these draws
+  got = _grad(lambda p: estimators.get("image_elbo").loss(ctx, p, block, d)[0], policy)
   want = _grad(lambda p: jnp.mean(ADV * parts(p, ctx)[1]), policy)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
 
@@ -114,7 +115,7 @@ def test_forward_estimators_state_their_gradients(images):
     d, l, eps = parts(p, ctx)
     return jnp.mean(clipped * l) + 0.3 * jnp.mean(forward.per_image(0.5 * jnp.mean((eps - eps_a) ** 2, -1), d))
 
-  got = _grad(lambda p: estimators.get("awm").loss(ctx, p, dataclasses.replace(block, adv=clipped), key)[0], policy)
+  got = _grad(lambda p: estimators.get("awm").loss(ctx, p, dataclasses.replace(block, adv=clipped), d)[0], policy)
   np.testing.assert_allclose(got, _grad(awm, policy), rtol=1e-4, atol=1e-7)
 
   ctx, policy, frozen, anchor = _ctx(graphdef, params, "nft", objective=obj, nft_strength=0.5, anchor="rollout")
@@ -123,7 +124,7 @@ def test_forward_estimators_state_their_gradients(images):
     d, _, eps = parts(p, ctx)
     return jnp.mean(forward.per_image(clipped[None, :, None] * jnp.mean((eps - d.noise) ** 2, -1), d))
 
-  got = _grad(lambda p: estimators.get("nft").loss(ctx, p, block, key)[0], policy)
+  got = _grad(lambda p: estimators.get("nft").loss(ctx, p, block, d)[0], policy)
   np.testing.assert_allclose(got, _grad(first_order, policy), rtol=1e-4, atol=1e-7)
 
 
@@ -149,6 +150,30 @@ def test_forward_update_scores_the_heaviest_rows_with_several_draws(images):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   assert float(m["kept_weight"]) == 1.0
   assert float(update(forward.ForwardConfig(objective=obj, rows=1), ids, adv, final)[1]["kept_weight"]) == 0.75
+
+
+@pytest.mark.parametrize("name", ["image_elbo", pytest.param("awm", marks=pytest.mark.slow),
+                                  pytest.param("nft", marks=pytest.mark.slow)])
+def test_microbatches_sum_to_the_one_shot_update(images, name):
+  """``microbatch`` scores an optimizer step's rows a few at a time at the whole block's draws and sums the
+  gradients: the update equals the one-shot update (sgd, so any weighting error shows)."""
+  import optax  # noqa: PLC0415
+  graphdef, params, ids, final, _, _ = images
+  obj = objective.MaskedObjective(label_drop=0.5)
+  ctx, policy, frozen, anchor = _ctx(graphdef, params, name, objective=obj, beta=0.3, anchor="ref", draws=2)
+  tx = optax.sgd(1e-2)
+
+  def update(microbatch):
+    sc = dataclasses.replace(ctx.sc, microbatch=microbatch)
+    state = dict(policy=policy, opt=tx.init(policy), step=jnp.zeros((), jnp.int32))
+    new, m = step_lib.forward_update(graphdef, tx, ctx.train_diff, sc, state, frozen, anchor, ids, ADV, final,
+                                     jax.random.key(4))
+    return jnp.concatenate([x.ravel() for x in jax.tree.leaves(new["policy"])]), m
+
+  (got, m), (want, w) = update(2), update(0)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+  for k in ("loss", "policy", "kl", "mar_loss", "grad_norm"):
+    np.testing.assert_allclose(float(m[k]), float(w[k]), rtol=1e-4, atol=1e-7, err_msg=k)
 
 
 def test_nft_regresses_towards_a_bounded_target(images):

@@ -308,3 +308,30 @@ def test_bfloat16_compute_agrees_with_float32(rollout):
   assert float(m16["logp_diff"]) < 5e-2, float(m16["logp_diff"])
   a, b = (jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)]) for g in (g32, g16))
   assert float(a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b))) > 0.99
+
+
+@pytest.mark.slow
+def test_microbatches_sum_to_the_one_shot_update(rollout):
+  """``StepConfig.microbatch``: the chain loss's sums over a few images at a time, normalised by the whole batch's
+  counts (``loss.counts``), give the one-shot update (sgd) and metrics, MTE and KL included, with the policy
+  moved off the rollout's so that the ratio and the KL are not trivial."""
+  import optax  # noqa: PLC0415
+  from margrpo_jax.rl import step as step_lib  # noqa: PLC0415
+  graphdef, params, build = rollout
+  batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=2, mte_seeds=2), params)
+  policy = jax.tree.map(lambda x: x * 1.01, {k: params[k] for k in ("text_encoder", "backbone")})
+  frozen = {k: v for k, v in params.items() if k not in policy}
+  tx = optax.sgd(1e-2)
+
+  def update(microbatch):
+    sc = step_lib.StepConfig(sampler=SCFG, batch=batch_lib.BatchConfig(), loss=dataclasses.replace(LCFG, beta=0.5),
+                             microbatch=microbatch)
+    state = dict(policy=policy, opt=tx.init(policy), step=jnp.zeros((), jnp.int32))
+    new, m = jax.jit(lambda st: step_lib.update(graphdef, tx, DIFF, sc, st, frozen, batch))(state)
+    return jnp.concatenate([x.ravel() for x in jax.tree.leaves(new["policy"])]), m
+
+  (got, m), (want, w) = update(1), update(0)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+  assert float(w["kl"]) > 0 and float(w["logp_diff"]) > 0
+  for k in ("loss", "policy", "kl", "clip_frac", "logp_diff", "tokens", "grad_norm"):
+    np.testing.assert_allclose(float(m[k]), float(w[k]), rtol=1e-4, atol=1e-6, err_msg=k)

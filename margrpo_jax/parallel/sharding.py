@@ -115,6 +115,14 @@ def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
   return NamedSharding(mesh, P(*spec))
 
 
+def microbatch(x, c, n: int, axis: int = 0):
+  """Microbatch ``c`` of ``n`` along the batch ``axis``: rows ``c, c + n, c + 2n, ...`` (``c`` may be traced). A
+  batch sharded in contiguous blocks gives every device the same share of each microbatch, so accumulating
+  over microbatches moves no rows between devices."""
+  shape = x.shape[:axis] + (x.shape[axis] // n, n) + x.shape[axis + 1:]
+  return jax.lax.dynamic_index_in_dim(x.reshape(shape), c, axis + 1, keepdims=False)
+
+
 def to_global(tree, shardings):
   """Place host data as global arrays: ``device_put`` on one process; on several, each host's rows (its
   share of the batch) become its shards via ``make_array_from_process_local_data``."""

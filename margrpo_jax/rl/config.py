@@ -160,6 +160,10 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
       raise config_files.ConfigError(f"rl.elbo_rows={rl.elbo_rows} must lie in [0, {images}] (the images of an "
                                      f"iteration; 0 = all) and divide by rl.num_minibatches={rl.num_minibatches}, "
                                      f"and rl.elbo_draws={rl.elbo_draws} must be >= 1")
+  step_rows = (rl.elbo_rows or images) // rl.num_minibatches * (1 if est.READS_CHAINS else rl.elbo_draws)
+  if rl.microbatch < 0 or (rl.microbatch and step_rows % rl.microbatch):
+    raise config_files.ConfigError(f"rl.microbatch={rl.microbatch} must be 0 (all at once) or divide the "
+                                   f"{step_rows} rows an optimizer step scores")
   if not 0.0 < rl.nft_strength <= 1.0:
     raise config_files.ConfigError(f"rl.nft_strength={rl.nft_strength} must lie in (0, 1]")
   if not 0.0 <= rl.ema_decay < 1.0:
@@ -173,7 +177,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                    nft_strength=float(rl.nft_strength), rows=int(rl.elbo_rows),
                                    draws=int(rl.elbo_draws))
   sc = step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
-                           num_minibatches=rl.num_minibatches, sequential=rl.sequential_updates,
+                           num_minibatches=rl.num_minibatches, microbatch=rl.microbatch,
+                           sequential=rl.sequential_updates,
                            estimator=rl.estimator, forward=fcfg,
                            ema_decay=float(rl.ema_decay), export_interpolation=float(rl.export_interpolation),
                            respacing=str(config.sampling.diffusion_steps),

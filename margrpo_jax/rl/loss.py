@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from margrpo_jax.diffusion import flow, gaussian
+from margrpo_jax.parallel import sharding
 from margrpo_jax.sampling.sampler import head_output, transition_logp
 
 
@@ -89,6 +90,10 @@ class TrainBatch:
   BATCH_AXES = dict(ids=0, adv=0, canvas=1, visible=1, positions=1, region=1, keep=1, decoded=1, uncertain=1,
                     uncertain_idx=1, uncertain_elems=1, x_t=2, x_prev=2, old_logp=2, ref_mean=2, ref_std=2,
                     mte_x_t=3, mte_x_prev=3, mte_old_logp=3)
+
+  def microbatch(self, c, n: int) -> "TrainBatch":
+    """Microbatch ``c`` of ``n``: images ``c, c + n, ...`` (``sharding.microbatch``; ``c`` may be traced)."""
+    return self.replace(**{k: sharding.microbatch(getattr(self, k), c, n, ax) for k, ax in self.BATCH_AXES.items()})
 
   def rows(self, start, size: int) -> "TrainBatch":
     """The images ``[start, start + size)`` of the batch (``start`` may be traced; ``size`` is static)."""
@@ -185,8 +190,19 @@ def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
               logp_diff_sum=jnp.sum(keep_k * jnp.abs(logp - batch.old_logp[i] * old_scale)))
 
 
-def loss_fn(model, diff, cfg: LossConfig, batch: TrainBatch, steps=None):
-  """``(loss, metrics)`` over the selected AR steps ``steps`` (default: all M), reduced as exact means."""
+def counts(batch: TrainBatch, steps=None):
+  """``(policy_count, kl_count)`` of :func:`loss_fn` over the AR steps ``steps`` (default: all M): the kept and
+  the region tokens times the k scored diffusion steps. They do not depend on the parameters, so a microbatch's
+  loss normalised by the whole batch's counts sums, over microbatches, to the whole batch's loss."""
+  sel = (lambda a: a) if steps is None else (lambda a: a[jnp.asarray(steps)])
+  k = batch.j.shape[1]
+  return k * sel(batch.keep).sum().astype(jnp.float32), k * sel(batch.region).sum().astype(jnp.float32)
+
+
+def loss_fn(model, diff, cfg: LossConfig, batch: TrainBatch, steps=None, norm=None):
+  """``(loss, metrics)`` over the selected AR steps ``steps`` (default: all M), reduced as exact means: over the
+  batch's own counts, or over ``norm`` (:func:`counts` of the whole batch when ``batch`` is one microbatch of it;
+  then the metrics but ``tokens`` are this microbatch's share)."""
   cond = model.condition(batch.ids)
   null = model.null_condition(batch.ids.shape[0])
   terms = lambda i: step_terms(model, diff, cfg, batch, i, cond, null)  # one backbone forward each
@@ -200,9 +216,9 @@ def loss_fn(model, diff, cfg: LossConfig, batch: TrainBatch, steps=None):
     for i in steps:
       t = terms(i)
       tot = t if tot is None else jax.tree.map(jnp.add, tot, t)
-  policy = tot["policy_sum"] / jnp.maximum(tot["policy_count"], 1.0)
-  kl = tot["kl_sum"] / jnp.maximum(tot["kl_count"], 1.0)
-  metrics = dict(policy=policy, kl=kl, clip_frac=tot["clipped_sum"] / jnp.maximum(tot["policy_count"], 1.0),
-                 logp_diff=tot["logp_diff_sum"] / jnp.maximum(tot["policy_count"], 1.0),
-                 tokens=tot["policy_count"])
+  policy_count, kl_count = (tot["policy_count"], tot["kl_count"]) if norm is None else norm
+  per = lambda x, n: x / jnp.maximum(n, 1.0)
+  policy, kl = per(tot["policy_sum"], policy_count), per(tot["kl_sum"], kl_count)
+  metrics = dict(policy=policy, kl=kl, clip_frac=per(tot["clipped_sum"], policy_count),
+                 logp_diff=per(tot["logp_diff_sum"], policy_count), tokens=tot["policy_count"])
   return -(policy - cfg.beta * kl), metrics

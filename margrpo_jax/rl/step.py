@@ -50,6 +50,8 @@ class StepConfig:
   loss: loss_lib.LossConfig
   num_inner: int = 1           # passes over each rollout's batch (PPO epochs)
   num_minibatches: int = 1     # optimizer steps per pass, on consecutive blocks of B / num_minibatches rows
+  microbatch: int = 0          # > 0: each optimizer step's rows scored this many at a time, the gradients summed
+                               # (exact: the loss is a sum over rows); 0 = all at once
   sequential: bool = False     # official: one optimizer step per scored AR step instead (B8)
   estimator: str = "chain"     # rl.estimator (rl/estimators/): chain, token_elbo, image_elbo, awm, nft
   forward: forward_lib.ForwardConfig = forward_lib.ForwardConfig()  # the forward-process estimators' settings
@@ -84,13 +86,29 @@ def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, r
   return batch_lib.build(model, ref_model, diff, sc.sampler, sc.batch, sc.loss, rec, final, ids, adv, key)
 
 
+def accumulate(chunk_loss, params, rows: int, microbatch: int):
+  """``((loss, metrics), grads)`` of ``sum_c chunk_loss(params, c)`` over the ``rows / microbatch`` microbatches
+  ``c`` of an optimizer step's rows: one ``value_and_grad`` when ``microbatch`` is 0 or covers the rows, else a
+  ``lax.scan`` whose carry is the running sum (the activation memory of one microbatch)."""
+  vg = jax.value_and_grad(chunk_loss, has_aux=True)
+  if not microbatch or microbatch >= rows:
+    return vg(params, 0)
+  zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(vg, params, 0))
+  add = lambda acc, c: (jax.tree.map(jnp.add, acc, vg(params, c)), None)
+  return jax.lax.scan(add, zero, jnp.arange(rows // microbatch))[0]
+
+
 def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.TrainBatch):
   """The loss-and-update half; ``frozen`` never reaches the optimizer. Metrics are means over the optimizer
   steps taken."""
   def one(state, sub, steps=None):
-    def objective(p):
-      return loss_lib.loss_fn(nnx.merge(graphdef, {**frozen, **p}), diff, sc.loss, sub, steps)
-    (loss, m), grads = jax.value_and_grad(objective, has_aux=True)(state["policy"])
+    rows, mb = sub.adv.shape[0], sc.microbatch
+    norm = loss_lib.counts(sub, steps) if mb and mb < rows else None
+
+    def chunk(p, c):
+      part = sub if norm is None else sub.microbatch(c, rows // mb)
+      return loss_lib.loss_fn(nnx.merge(graphdef, {**frozen, **p}), diff, sc.loss, part, steps, norm)
+    (loss, m), grads = accumulate(chunk, state["policy"], rows, mb)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
     return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
@@ -150,9 +168,17 @@ def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref,
   def one(state, u):
     block = lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows)] *
                                       fc.draws)  # each row ``draws`` times: independent draws, averaged by the mean
+    b = Block(block(ids), block(adv), block(tokens))
+    d = forward_lib.draw(fc.objective, train_diff, b.tokens, jax.random.fold_in(key, u))
     ctx = Context(graphdef, sc, train_diff, frozen, dict(anchors, **({"ema": state["ema"]} if "ema" in state else {})))
-    objective_fn = lambda p: est.loss(ctx, p, Block(block(ids), block(adv), block(tokens)), jax.random.fold_in(key, u))
-    (loss, m), grads = jax.value_and_grad(objective_fn, has_aux=True)(state["policy"])
+    n, mb = b.adv.shape[0], sc.microbatch
+
+    def chunk(p, c):  # the estimators' losses are means over rows: a microbatch's is weighted by its share
+      if not mb or mb >= n:
+        return est.loss(ctx, p, b, d)
+      part = Block(*(sharding.microbatch(x, c, n // mb) for x in (b.ids, b.adv, b.tokens)))
+      return jax.tree.map(lambda x: x * (mb / n), est.loss(ctx, p, part, d.microbatch(c, n // mb)))
+    (loss, m), grads = accumulate(chunk, state["policy"], n, mb)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
     return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)

@@ -19,6 +19,7 @@ READS_CHAINS = False
 REENCODES = True
 
 
-def loss(ctx, params, block, key):
-  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws of ``key``."""
-  return forward.weighted_elbo(ctx, params, block, key, ctx.sc.forward.anchor)
+def loss(ctx, params, block, d):
+  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws ``d``
+  (``forward.draw``)."""
+  return forward.weighted_elbo(ctx, params, block, d, ctx.sc.forward.anchor)

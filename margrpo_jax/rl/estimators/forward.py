@@ -24,6 +24,7 @@ from flax import nnx
 from margrpo_jax import rng
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import objective
+from margrpo_jax.parallel import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,13 @@ class Draws:
   t: jax.Array      # (m, B, L) int32 noise levels
   noise: jax.Array  # (m, B, L, C) eps
   x_t: jax.Array    # (m, B, L, C)
+
+  def microbatch(self, c, n: int) -> "Draws":
+    """The draws of microbatch ``c`` of ``n`` (``sharding.microbatch``): a microbatch scores its images at the
+    draws the whole block would have."""
+    cut = lambda x, ax: sharding.microbatch(x, c, n, ax)
+    return Draws(mask=cut(self.mask, 0), drop=cut(self.drop, 0), t=cut(self.t, 1), noise=cut(self.noise, 1),
+                 x_t=cut(self.x_t, 1))
 
 
 def draw(obj: objective.MaskedObjective, diff: gaussian.Diffusion, tokens: jax.Array, key: jax.Array) -> Draws:
@@ -84,11 +92,10 @@ def per_image(values: jax.Array, d: Draws) -> jax.Array:
   return objective.per_image(values, d.mask)
 
 
-def weighted_elbo(ctx, params, block, key, anchor: str | None):
+def weighted_elbo(ctx, params, block, d: Draws, anchor: str | None):
   """``(loss, metrics)``: ``mean_i A_i l_i + beta mean_i 1/2 |eps_theta - eps_anchor|^2_i`` on ``block`` at the
-  draws of ``key`` (the anchor term only when ``anchor`` names one of ``ctx.anchors``)."""
+  draws ``d`` (the anchor term only when ``anchor`` names one of ``ctx.anchors``)."""
   fc = ctx.sc.forward
-  d = draw(fc.objective, ctx.train_diff, block.tokens, key)
   out = head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens, d)
   l_i = per_image(gaussian.training_loss(ctx.train_diff, out, block.tokens, d.x_t, d.t, d.noise), d)
   policy = -jnp.mean(block.adv * l_i)

@@ -18,6 +18,7 @@ READS_CHAINS = False
 REENCODES = True
 
 
-def loss(ctx, params, block, key):
-  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws of ``key``."""
-  return forward.weighted_elbo(ctx, params, block, key, "ref" if ctx.sc.forward.beta else None)
+def loss(ctx, params, block, d):
+  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws ``d``
+  (``forward.draw``)."""
+  return forward.weighted_elbo(ctx, params, block, d, "ref" if ctx.sc.forward.beta else None)

@@ -24,10 +24,10 @@ READS_CHAINS = False
 REENCODES = True
 
 
-def loss(ctx, params, block, key):
+def loss(ctx, params, block, d):
+  """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws ``d``."""
   fc = ctx.sc.forward
   s = fc.nft_strength
-  d = forward.draw(fc.objective, ctx.train_diff, block.tokens, key)
   eps = gaussian.split_output(forward.head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens,
                                                d))[0]
   eps_old = forward.eps_of(ctx.graphdef, {**ctx.frozen, **ctx.anchors[fc.anchor]}, block.ids, block.tokens, d)

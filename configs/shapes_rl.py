@@ -90,7 +90,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       adv_clip=0.0,               # > 0: advantages clipped to [-adv_clip, adv_clip] (AWM: 1)
       anchor="ref",               # awm / nft: the model the update is held to: 'ref' (the base) | 'ema' | 'rollout'
       nft_strength=1.0,           # nft: eps_+- = eps_old +- s (eps_theta - eps_old), s in (0, 1]
-      elbo_rows=0,                # image_elbo / awm / nft: > 0 scores only the rows images of largest |A| per update
+      elbo_rows=0,                # image_elbo / awm / nft: > 0 scores at most this many images per iteration, those
+                                  # of largest |A| (positive-only weights leave about half at 0); 0 = all
       elbo_draws=1,               # image_elbo / awm / nft: independent draws of MAR's training loss per scored image
       rollout_cfg_scale=0.0,      # > 0: the rollouts' guidance scale (else sampling.cfg_scale, which the job's own
                                   # eval and every reading of the export use)

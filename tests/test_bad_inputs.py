@@ -50,7 +50,7 @@ CASES = [
     ("window", "main", [RL, "--config.rl.diffusion_window=1-3"], "rl.diffusion_window='1-3'"),
     ("minibatches", "main", [RL, "--config.rl.num_minibatches=3"], "rl.num_minibatches=3"),
     ("microbatch", "main", [RL, "--config.rl.microbatch=3"], "rl.microbatch=3"),
-    ("elbo_rows", "main", [RL, "--config.rl.elbo_rows=200"], "rl.elbo_rows=200"),
+    ("elbo_rows", "main", [RL, "--config.rl.elbo_rows=100", "--config.rl.num_minibatches=8"], "rl.elbo_rows=100"),
     ("ema", "main", [RL, "--config.rl.ema_decay=1.0"], "rl.ema_decay=1.0"),
     ("wise", "main", [RL, "--config.rl.export_interpolation=0"], "rl.export_interpolation=0"),
     ("beta", "main", [RL, "--config.rl.beta=-0.1"], "rl.beta=-0.1"),

@@ -151,16 +151,17 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                    "half raises the denoising loss of typical samples without limit)")
   if rl.anchor == "ema" and not rl.ema_decay and rl.estimator in ("awm", "nft"):
     raise config_files.ConfigError(f"rl.anchor='ema' holds {rl.estimator} to the policy's EMA: set rl.ema_decay > 0")
+  rows = min(rl.elbo_rows, images) % images  # at most the iteration's images; all of them = 0
   if rl.elbo_rows or rl.elbo_draws != 1:
     if est.READS_CHAINS:
       raise config_files.ConfigError(f"rl.elbo_rows / rl.elbo_draws choose the images and draws of MAR's training "
                                      f"loss, which rl.estimator={rl.estimator!r} does not score: set them only with "
                                      "image_elbo, awm or nft")
-    if not (0 <= rl.elbo_rows <= images and rl.elbo_rows % rl.num_minibatches == 0) or rl.elbo_draws < 1:
-      raise config_files.ConfigError(f"rl.elbo_rows={rl.elbo_rows} must lie in [0, {images}] (the images of an "
-                                     f"iteration; 0 = all) and divide by rl.num_minibatches={rl.num_minibatches}, "
-                                     f"and rl.elbo_draws={rl.elbo_draws} must be >= 1")
-  step_rows = (rl.elbo_rows or images) // rl.num_minibatches * (1 if est.READS_CHAINS else rl.elbo_draws)
+    if rl.elbo_rows < 0 or rows % rl.num_minibatches or rl.elbo_draws < 1:
+      raise config_files.ConfigError(f"rl.elbo_rows={rl.elbo_rows} must be >= 0 (0 = all images) and the images it "
+                                     f"keeps divide by rl.num_minibatches={rl.num_minibatches}, and "
+                                     f"rl.elbo_draws={rl.elbo_draws} must be >= 1")
+  step_rows = (rows or images) // rl.num_minibatches * (1 if est.READS_CHAINS else rl.elbo_draws)
   if rl.microbatch < 0 or (rl.microbatch and step_rows % rl.microbatch):
     raise config_files.ConfigError(f"rl.microbatch={rl.microbatch} must be 0 (all at once) or divide the "
                                    f"{step_rows} rows an optimizer step scores")
@@ -174,7 +175,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   except ValueError as e:
     raise config_files.ConfigError(f"rl.mar_objective: {e}") from None
   fcfg = forward_lib.ForwardConfig(objective=masked, beta=float(rl.beta), anchor=rl.anchor,
-                                   nft_strength=float(rl.nft_strength), rows=int(rl.elbo_rows),
+                                   nft_strength=float(rl.nft_strength), rows=int(rows),
                                    draws=int(rl.elbo_draws))
   sc = step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
                            num_minibatches=rl.num_minibatches, microbatch=rl.microbatch,

@@ -107,10 +107,13 @@ def table(split, sampling, rs) -> str:
 
 
 def snr_table(snrs) -> str:
-  lines = ["| variant | estimator | images | cos real | cos shuffled |", "|---|---|---:|---:|---:|"]
+  lines = ["| variant | settings | images | cos real | cos shuffled | same images, other draws (real) |",
+           "|---|---|---:|---:|---:|---:|"]
   for s in snrs:
-    lines.append(f"| {s['variant']} | {s.get('estimator', '')} | {s['images']} | {s['cos_real']:+.4f} +- "
-                 f"{s['cos_real_se']:.4f} | {s['cos_shuffled']:+.4f} +- {s['cos_shuffled_se']:.4f} |")
+    same = s.get("cos_real_same_images")
+    lines.append(f"| {s['variant']} | {' '.join(s.get('overrides', [])) or 'defaults'} | {s['images']} | "
+                 f"{s['cos_real']:+.4f} +- {s['cos_real_se']:.4f} | {s['cos_shuffled']:+.4f} +- "
+                 f"{s['cos_shuffled_se']:.4f} | {'' if same is None else f'{same:+.4f}'} |")
   return "\n".join(lines)
 
 
@@ -158,7 +161,8 @@ def summarize(record: str, doc: str):
   order = sorted(by, key=lambda k: (["val", "eval", "grammar"].index(k[0]), k[1] != "default", k[1]))
   parts = [table(split, sampling, by[(split, sampling)]) for split, sampling in order]
   snrs = _jsonl(os.path.join(record, "grad_snr.jsonl"))
-  snrs += [a for a in archive["grad_snr"] if a["variant"] not in {x["variant"] for x in snrs}]
+  setting = lambda x: (x["variant"], tuple(x.get("overrides", [])))
+  snrs += [a for a in archive["grad_snr"] if setting(a) not in {setting(x) for x in snrs}]
   if snrs:
     parts.append("### grad-SNR (benchmarks/grad_snr.py: mean pairwise cosine of the gradients of disjoint image "
                  "sets, real vs shuffled advantages)\n\n" + snr_table(snrs))

@@ -11,7 +11,9 @@ tentative chains). If the expected gradient ``mu`` shows above the per-part nois
 each group (no reward information): its cosine is the level that shared structure gives without signal.
 
 A forward-process estimator (image_elbo, awm, nft: no recorded chains) gets the overall cosines only, its loss on
-each part's re-encoded images with ``keys`` draws of masks and noise levels.
+each part's re-encoded images with ``keys`` draws of masks and noise levels, and the cosine between two draws on
+the same images (near 0: the draws' own noise, not the images, dominates one draw's gradient; ``--set
+rl.elbo_draws=4`` averages four per image).
 
 Per diffusion step (chain estimators): the same parts scored at one list position n at a time (every position of the chain, the
 window ignored), with the share of the squared gradient norm each step holds, the mean step std sigma over the
@@ -109,17 +111,24 @@ def main():
 
     @jax.jit
     def fgrad(policy, ids, a, tok, key):
-      d = forward.draw(sc.forward.objective, ctx.train_diff, tok, key)
-      g = jax.grad(lambda p: est.loss(ctx, p, step_lib.Block(ids, a, tok), d)[0])(policy)
+      ids, a, tok, _ = step_lib.heaviest_rows(sc.forward, ids, a, tok)  # rl.elbo_rows / rl.elbo_draws as the job
+      b = step_lib.Block(*(step_lib.repeat_rows(sc.forward, x) for x in (ids, a, tok)))
+      d = forward.draw(sc.forward.objective, ctx.train_diff, b.tokens, key)
+      g = jax.grad(lambda p: est.loss(ctx, p, b, d)[0])(policy)
       return jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])
 
     cut = lambda x, q: x[q * n:(q + 1) * n]
     for name, a in (("real", adv), ("shuffled", shuffled)):
       a = jnp.asarray(weights(a))
-      gs = [sum(fgrad(s.policy, cut(ro["ids"], q), cut(a, q), cut(tokens, q), jax.random.key(1000 * q + r))
-                for r in range(args.keys)) for q in range(args.parts)]
+      per_key = [[fgrad(s.policy, cut(ro["ids"], q), cut(a, q), cut(tokens, q), jax.random.key(1000 * q + r))
+                  for r in range(args.keys)] for q in range(args.parts)]
+      gs = [sum(g) for g in per_key]
       out[f"cos_{name}"], out[f"cos_{name}_se"] = cosines(gs)
-      print(f"{name:8s} advantages: mean pairwise cosine {out[f'cos_{name}']:+.4f} +- {out[f'cos_{name}_se']:.4f}")
+      # the same images at other draws of MAR's training randomness: how much of one draw's gradient is the draw
+      same = [cosines(g)[0] for g in per_key] if args.keys > 1 else [float("nan")]
+      out[f"cos_{name}_same_images"] = float(np.mean(same))
+      print(f"{name:8s} advantages: mean pairwise cosine {out[f'cos_{name}']:+.4f} +- {out[f'cos_{name}_se']:.4f}; "
+            f"same images, other draws {out[f'cos_{name}_same_images']:+.4f}")
     print(json.dumps(out))
     return
   def part(q):  # the record rows of part q

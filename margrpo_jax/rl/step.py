@@ -150,24 +150,34 @@ class Context:
   anchors: dict
 
 
+def heaviest_rows(fc: forward_lib.ForwardConfig, ids, adv, tokens):
+  """``(ids, adv, tokens, kept)``: with ``fc.rows``, the rows of largest ``|A|``, their weights scaled by rows / B
+  so that the loss is the whole batch's less the dropped terms, and ``kept`` the share of ``sum |A|`` they hold."""
+  if not fc.rows:
+    return ids, adv, tokens, jnp.ones(())
+  keep = jax.lax.top_k(jnp.abs(adv), fc.rows)[1]
+  total = jnp.sum(jnp.abs(adv))
+  kept = jnp.where(total > 0, jnp.sum(jnp.abs(adv[keep])) / jnp.maximum(total, 1e-30), 1.0)
+  return ids[keep], adv[keep] * (fc.rows / adv.shape[0]), tokens[keep], kept
+
+
+def repeat_rows(fc: forward_lib.ForwardConfig, x):
+  """Each row ``fc.draws`` times: scored at independent draws, which the estimators' mean over rows averages."""
+  return jnp.concatenate([x] * fc.draws) if fc.draws > 1 else x
+
+
 def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref, ids, adv, tokens, key):
   """A forward-process estimator (``sc.estimator``: image_elbo, awm, nft): ``num_inner`` passes of
   ``num_minibatches`` optimizer steps over row blocks of ``(ids, adv, tokens)`` (the ``forward.rows`` of largest
   ``|A|`` when set, each scored with ``forward.draws`` independent draws); step ``u`` draws its own orders, masks
   and noise levels from ``fold_in(key, u)``."""
   est, fc = estimators.get(sc.estimator), sc.forward
-  kept = jnp.ones(())  # the share of sum |A| the update scores
-  if fc.rows:  # the rows of largest |A|, reweighted so that the loss is the whole batch's less the dropped terms
-    keep = jax.lax.top_k(jnp.abs(adv), fc.rows)[1]
-    total = jnp.sum(jnp.abs(adv))
-    kept = jnp.where(total > 0, jnp.sum(jnp.abs(adv[keep])) / jnp.maximum(total, 1e-30), 1.0)
-    ids, adv, tokens = ids[keep], adv[keep] * (fc.rows / adv.shape[0]), tokens[keep]
+  ids, adv, tokens, kept = heaviest_rows(fc, ids, adv, tokens)
   rows = adv.shape[0] // sc.num_minibatches
   anchors = dict(ref=ref, rollout=jax.lax.stop_gradient(state["policy"]))
 
   def one(state, u):
-    block = lambda x: jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows)] *
-                                      fc.draws)  # each row ``draws`` times: independent draws, averaged by the mean
+    block = lambda x: repeat_rows(fc, jax.lax.dynamic_slice_in_dim(x, u % sc.num_minibatches * rows, rows))
     b = Block(block(ids), block(adv), block(tokens))
     d = forward_lib.draw(fc.objective, train_diff, b.tokens, jax.random.fold_in(key, u))
     ctx = Context(graphdef, sc, train_diff, frozen, dict(anchors, **({"ema": state["ema"]} if "ema" in state else {})))

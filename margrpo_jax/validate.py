@@ -76,6 +76,9 @@ OPTIONS = {
 SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
                   "log_every", "log_images_every", "eval.batch_size", "tfds_dir", "data.tfds_dir", "export.dir",
                   "export.dtype", "parallel.")
+# Keys added after runs were recorded, each with the value that computes what a run recorded without it did: such a
+# run resumes (or is read) under a newer version while the key keeps that value.
+ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
 
 
@@ -472,7 +475,8 @@ def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
                       f"{path} or use a new --workdir")
   if isinstance(before, dict):
     a, b = flatten(before), flatten(now)
-    diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>")
+                  and not (k not in a and k in ADDED_KEYS and b.get(k) == ADDED_KEYS[k]))
     unsafe = [k for k in diff if not (allow_changes and _safe(k))]
     if unsafe:
       shown = ", ".join(f"{k} ({a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r})" for k in unsafe[:6])

@@ -100,6 +100,14 @@ def test_resume_means_the_same_run(tmp_path):
   assert (tmp_path / "w" / "config.json").read_text() == recorded
   validate.begin_run(config, wd, allow_changes=True)  # extending a run is a safe change
   assert json.loads((tmp_path / "w" / "config.json").read_text())["num_iters"] == config.num_iters
+  old = json.loads((tmp_path / "w" / "config.json").read_text())  # recorded before rl.microbatch existed
+  del old["rl"]["microbatch"]
+  (tmp_path / "w" / "config.json").write_text(json.dumps(old))
+  validate.begin_run(config, wd)  # the key keeps the value that computes what that run did
+  config.rl.microbatch = 2
+  with pytest.raises(config_files.ConfigError, match=r"rl.microbatch \('<absent>' -> 2\)"):
+    validate.begin_run(config, wd)
+  config.rl.microbatch = 0
   config.optim.lr *= 2
   config.rl.group_size = 4
   with pytest.raises(config_files.ConfigError, match=r"optim.lr .*rl.group_size \(\d+ -> 4\)"):

@@ -242,6 +242,13 @@ def test_image_elbo_step_is_the_advantage_weighted_elbo_gradient_and_exports_the
   wise = dataclasses.replace(s, static=dataclasses.replace(s.static, export_interpolation=0.25))
   want = jax.tree.map(lambda b, e: b + 0.25 * (e - b), s.policy, state["ema"])  # WiSE-FT: theta_0 + a (theta - theta_0)
   assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-7), wise.trained_policy(state), want))
+  config.rl.microbatch = 2  # the same iteration with its images scored two at a time: the same update
+  s2 = rl_job.setup(config)
+  train = rl_prompts.from_metadata(shapes.split_records("train", num_train=64))
+  state2, m2, _ = rl_job.iteration(config, s2, s2.init_state(), train, 0)
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6, rtol=1e-4), state2["policy"],
+                                   state["policy"]))
+  np.testing.assert_allclose(m2["loss"], m["loss"], rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -77,6 +77,7 @@ CELLS = {
     "image_elbo": Cell("image_elbo", (), "image ELBO, A >= 0 (RAFT / RWR)"),
     "awm": Cell("awm", (), "AWM: signed clipped advantages, anchor"),
     "nft": Cell("nft", (), "DiffusionNFT"),
+    "nft_lr1e5": Cell("nft", (("optim.lr", 1e-5),), "DiffusionNFT at a tenth of the learning rate"),
     # f. no label drop in the ELBO estimators (no gradient into the unconditional branch)
     "image_elbo_label_drop": Cell("image_elbo", (("rl.mar_objective.label_drop", 0.1),),
                                   "image ELBO with label drop 0.1 (the earlier main job)"),

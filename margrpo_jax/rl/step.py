@@ -86,29 +86,34 @@ def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, r
   return batch_lib.build(model, ref_model, diff, sc.sampler, sc.batch, sc.loss, rec, final, ids, adv, key)
 
 
-def accumulate(chunk_loss, params, rows: int, microbatch: int):
-  """``((loss, metrics), grads)`` of ``sum_c chunk_loss(params, c)`` over the ``rows / microbatch`` microbatches
-  ``c`` of an optimizer step's rows: one ``value_and_grad`` when ``microbatch`` is 0 or covers the rows, else a
-  ``lax.scan`` whose carry is the running sum (the activation memory of one microbatch)."""
+def accumulate(chunk_loss, params, parts: int):
+  """``((loss, metrics), grads)`` of ``sum_c chunk_loss(params, c)`` over the microbatches ``c < parts`` of an
+  optimizer step's rows: one ``value_and_grad`` for one part, else a ``lax.scan`` whose carry is the running sum
+  (the activation memory of one microbatch)."""
   vg = jax.value_and_grad(chunk_loss, has_aux=True)
-  if not microbatch or microbatch >= rows:
+  if parts == 1:
     return vg(params, 0)
   zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(vg, params, 0))
   add = lambda acc, c: (jax.tree.map(jnp.add, acc, vg(params, c)), None)
-  return jax.lax.scan(add, zero, jnp.arange(rows // microbatch))[0]
+  return jax.lax.scan(add, zero, jnp.arange(parts))[0]
+
+
+def num_parts(rows: int, microbatch: int) -> int:
+  """Microbatches of an optimizer step's ``rows`` (``microbatch`` 0, or covering them: one)."""
+  return rows // microbatch if 0 < microbatch < rows else 1
 
 
 def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.TrainBatch):
   """The loss-and-update half; ``frozen`` never reaches the optimizer. Metrics are means over the optimizer
   steps taken."""
   def one(state, sub, steps=None):
-    rows, mb = sub.adv.shape[0], sc.microbatch
-    norm = loss_lib.counts(sub, steps) if mb and mb < rows else None
+    parts = num_parts(sub.adv.shape[0], sc.microbatch)
+    norm = loss_lib.counts(sub, steps) if parts > 1 else None  # the whole batch's, so the parts' losses sum
 
     def chunk(p, c):
-      part = sub if norm is None else sub.microbatch(c, rows // mb)
+      part = sub if parts == 1 else sub.microbatch(c, parts)
       return loss_lib.loss_fn(nnx.merge(graphdef, {**frozen, **p}), diff, sc.loss, part, steps, norm)
-    (loss, m), grads = accumulate(chunk, state["policy"], rows, mb)
+    (loss, m), grads = accumulate(chunk, state["policy"], parts)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
     return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
@@ -181,14 +186,14 @@ def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref,
     b = Block(block(ids), block(adv), block(tokens))
     d = forward_lib.draw(fc.objective, train_diff, b.tokens, jax.random.fold_in(key, u))
     ctx = Context(graphdef, sc, train_diff, frozen, dict(anchors, **({"ema": state["ema"]} if "ema" in state else {})))
-    n, mb = b.adv.shape[0], sc.microbatch
+    parts = num_parts(b.adv.shape[0], sc.microbatch)
 
     def chunk(p, c):  # the estimators' losses are means over rows: a microbatch's is weighted by its share
-      if not mb or mb >= n:
+      if parts == 1:
         return est.loss(ctx, p, b, d)
-      part = Block(*(sharding.microbatch(x, c, n // mb) for x in (b.ids, b.adv, b.tokens)))
-      return jax.tree.map(lambda x: x * (mb / n), est.loss(ctx, p, part, d.microbatch(c, n // mb)))
-    (loss, m), grads = accumulate(chunk, state["policy"], n, mb)
+      part = Block(*(sharding.microbatch(x, c, parts) for x in (b.ids, b.adv, b.tokens)))
+      return jax.tree.map(lambda x: x / parts, est.loss(ctx, p, part, d.microbatch(c, parts)))
+    (loss, m), grads = accumulate(chunk, state["policy"], parts)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
     return dict(state, policy=policy, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)

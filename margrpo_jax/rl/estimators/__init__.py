@@ -11,8 +11,8 @@ r"""The likelihood estimators of the RL update, one module each, selected by ``r
 Each module states its gradient. ``READS_CHAINS``: the rollout records its chains (``sampling.sampler.Record``)
 and the update builds its batch from them (``rl/batch.py``, the loss in ``rl/loss.py``); otherwise the rollout
 runs without records and the module's ``loss(ctx, params, block, draws)`` is the objective of one optimizer step
-at one draw of MAR's training randomness (``forward.draw``; ``rl/step.py: forward_update``). ``REENCODES``: the update scores the tokenizer's re-encoding of the decoded
-images instead of the sampled tokens.
+at one draw of MAR's training randomness (``forward.draw``; ``rl/step.py: forward_update``). ``REENCODES``: the
+update scores the tokenizer's re-encoding of the decoded images instead of the sampled tokens.
 """
 from __future__ import annotations
 

@@ -117,6 +117,13 @@ CELLS = {
                                  "image ELBO, A >= 0, 16 x 8, the 64 heaviest images x 2 draws", (16, 8)),
     "image_elbo_p16_r64d4": Cell("image_elbo", (("rl.elbo_rows", 64), ("rl.elbo_draws", 4)),
                                  "image ELBO, A >= 0, 16 x 8, the 64 heaviest images x 4 draws", (16, 8)),
+    # l. the self-training loop: on-policy, each round filters the policy's own images, so its idiosyncrasies
+    #    compound (the controls' drift, the diversity lost). Rollouts from the frozen base instead fit the base's
+    #    passing images (rejection-sampling fine-tuning): the target p_base(x | c, pass) keeps the base's variety.
+    #    And more prompts per step at the same images: 32 prompts x 4.
+    "image_elbo_p16_base": Cell("image_elbo", (("rl.rollout_policy", "base"),),
+                                "image ELBO, A >= 0, 16 x 8, rollouts from the frozen base", (16, 8)),
+    "image_elbo_p32g4": Cell("image_elbo", (), "image ELBO, A >= 0, 32 prompts x 4 images per step", (32, 4)),
     "image_elbo_p16_anchor01": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 0.1)),
                                     "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 0.1",
                                     (16, 8)),

@@ -93,6 +93,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       elbo_rows=0,                # image_elbo / awm / nft: > 0 scores at most this many images per iteration, those
                                   # of largest |A| (positive-only weights leave about half at 0); 0 = all
       elbo_draws=1,               # image_elbo / awm / nft: independent draws of MAR's training loss per scored image
+      rollout_policy="policy",    # the rollouts' sampler: 'policy' (on-policy, the current iterate) | 'base' (the
+                                  # frozen base every iteration: rejection-sampling fine-tuning toward the base's
+                                  # passing images, no self-training loop; docs/estimators.md)
       rollout_cfg_scale=0.0,      # > 0: the rollouts' guidance scale (else sampling.cfg_scale, which the job's own
                                   # eval and every reading of the export use)
       pretrain_mix=0.0,           # image_elbo / awm / nft on the shapes world: > 0 adds a quarter-batch of freshly

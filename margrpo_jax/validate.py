@@ -78,7 +78,8 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoi
                   "export.dtype", "parallel.")
 # Keys added after runs were recorded, each with the value that computes what a run recorded without it did: such a
 # run resumes (or is read) under a newer version while the key keeps that value.
-ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0}
+ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
+              "rl.rollout_policy": "policy"}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
 
 

@@ -210,7 +210,7 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   ``rl.shuffle_advantages``, the no-signal control), one jitted update. Returns ``(state, metrics, rollout)``;
   metrics are None (and only the step counter moves) when a reward is non-finite."""
   g = config.rl.group_size
-  ro = rollout(config, s, state["policy"], train_recs, it)
+  ro = rollout(config, s, s.ref if config.rl.rollout_policy == "base" else state["policy"], train_recs, it)
   reward = ro["reward"]
   if not np.all(np.isfinite(reward)):
     return dict(state, step=state["step"] + 1), None, ro

@@ -34,7 +34,7 @@ def parse_window(window: str) -> tuple[int, int | None]:
 LOSS_OPTIONS = dict(fidelity=("intended", "official"), ratio=("rollout", "none"), kl=("gaussian", "official"),
                     channel_reduction=("sum", "mean"), advantage=("grpo", "drgrpo", "rloo"),
                     mte_actual=("keep", "include", "replace"), reward_norm=registry.NORMALIZE,
-                    estimator=estimators.NAMES, anchor=forward_lib.ANCHORS)
+                    estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=("policy", "base"))
 
 # rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14)
 OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,

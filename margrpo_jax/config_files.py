@@ -6,6 +6,8 @@ import os
 
 import ml_collections
 
+from margrpo_jax.models import random_instance
+
 class ConfigError(ValueError):
   """A config value or combination that cannot work, in one sentence (the entry point exits with code 2)."""
 
@@ -64,7 +66,6 @@ def tiny(c: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict
   """A family's ``tiny`` config: its few-layer random-weight instance (``models/random_instance.py``) and
   MAR-GRPO settings sized for a CPU (two prompts of two images, 4 AR steps of which 2 scored, 2 MTE seeds), on a
   reward that needs no download (JPEG compressibility) and the shipped captions (class labels for MAR)."""
-  from margrpo_jax.models import random_instance
   c.mode = "rl"
   c.init = "random"
   c.model = random_instance.tiny_config(family)

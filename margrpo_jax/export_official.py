@@ -14,7 +14,8 @@ import json
 
 from absl import app, flags
 
-from margrpo_jax import cli
+from margrpo_jax import checkpoint, cli
+from margrpo_jax.convert import core, official
 
 _FAMILY = flags.DEFINE_string("family", None, "mar, harmon or nova")
 _SRC = flags.DEFINE_string("src", None, "the fine-tuned export (model.json + params/), e.g. an RL run's W/export")
@@ -26,8 +27,6 @@ _OUT = flags.DEFINE_string("out", None, "where to write: a .pth file (mar, harmo
 def main(argv):
   cli.check_args(argv, {"family": _FAMILY, "src": _SRC, "out": _OUT})
   out = cli.check_new_output(_OUT.value)
-  from margrpo_jax import checkpoint
-  from margrpo_jax.convert import core, official
   try:
     report = official.export(_FAMILY.value, _SRC.value, _TEMPLATE.value, out)
   except (core.ConversionError, checkpoint.CheckpointError) as e:

@@ -26,10 +26,15 @@ import os
 import jax
 from absl import logging
 
-from margrpo_jax import checkpoint, fileio
-from margrpo_jax.config_files import ConfigError
-from margrpo_jax.models import objective
+from margrpo_jax import checkpoint, config_files, fileio, generate
+from margrpo_jax.data import prompt_files, shapes, tfds_builders
+from margrpo_jax.diffusion import gaussian
+from margrpo_jax.models import families, objective, random_instance
+from margrpo_jax.parallel import mesh as mesh_lib
+from margrpo_jax.rewards import clip_rewards, registry
+from margrpo_jax.rl import config as rl_config, estimators, prompts as rl_prompts
 from margrpo_jax.sampling import sampler
+from margrpo_jax.config_files import ConfigError
 
 INF = math.inf
 
@@ -126,7 +131,6 @@ def check_values(config) -> None:
       raise ConfigError(f"{key}={v!r} is not one of {', '.join(allowed)}")
   present, steps = _has(config, "sampling.diffusion_steps")
   if present:
-    from margrpo_jax.diffusion import gaussian
     try:
       n = gaussian.make_diffusion(1000, str(steps)).num_steps
       if n < 1:
@@ -141,7 +145,6 @@ def check_values(config) -> None:
   if "model" in config and hasattr(config.model, "to_dict"):
     check_model_values(config.model, "config.model")
   if "rewards" in config:
-    from margrpo_jax.rewards import clip_rewards
     for name, settings in config.rewards.items():
       for option, choices in clip_rewards.CHOICES.items():
         v = settings.get(option, "")
@@ -184,7 +187,6 @@ def check_mesh(config) -> None:
   """Mesh sizes vs the device count, and the batches the mode splits over the batch axes."""
   if "parallel" not in config:
     return
-  from margrpo_jax.parallel import mesh as mesh_lib
   try:
     shape = dict(zip(mesh_lib.AXES, mesh_lib.resolve_shape(config.parallel.mesh, jax.device_count())))
   except ValueError as e:
@@ -206,7 +208,6 @@ def check_mesh(config) -> None:
 
 def _check_export(path: str, what: str, mode: str):
   model_cfg = checkpoint.check_export(checkpoint.resolve(path), what)
-  from margrpo_jax.models import families
   try:
     cls = families.generator(model_cfg.family, f"{what} {checkpoint.resolve(path)}")
   except families.UnknownFamily as e:
@@ -234,8 +235,6 @@ def check_model_values(model_cfg, what: str) -> None:
 def _check_model(config, model_cfg, what: str) -> None:
   """The model ``model_cfg`` describes builds and runs the sampler on one prompt (abstractly: shapes only,
   nothing allocated or computed), and the sampler's settings fit it (no more AR steps than image tokens)."""
-  from margrpo_jax import generate
-  from margrpo_jax.models import families
   check_model_values(model_cfg, what)
   try:
     cls = families.generator(model_cfg.family, what)
@@ -279,7 +278,6 @@ def first_line(e: Exception) -> str:
 def check_learned_rewards(config, names, why: str) -> None:
   """The files each learned reward of ``names`` reads (``registry.FILES``: its export, of the right family, and its
   vocabulary) exist, before a run starts. ``why``: what asks for the reward (``{name}`` and ``{weight}`` filled)."""
-  from margrpo_jax.rewards import registry
   for name in names:
     for key, family in registry.FILES[name].items():
       path, what = config.rewards[name].get(key), f"rewards.{name}.{key}"
@@ -294,8 +292,6 @@ def check_learned_rewards(config, names, why: str) -> None:
 
 
 def check_rl(config) -> None:
-  from margrpo_jax.rewards import registry
-  from margrpo_jax.rl import config as rl_config
   rl_config.step_config(config)
   weights = {k: v for k, v in config.rl.rewards.items() if v}
   if not weights:
@@ -305,7 +301,6 @@ def check_rl(config) -> None:
     raise ConfigError(f"rl.rewards.{unknown[0]} is not a reward in the registry ({', '.join(registry.names())})")
   check_learned_rewards(config, [n for n in weights if n in registry.LEARNED], "rl.rewards.{name}={weight}")
   if config.get("init") == "random" and not config.checkpoint:
-    from margrpo_jax.models import families, random_instance
     family = config.model.family if config.get("model") else "tiny"
     if family not in random_instance.FAMILIES:
       raise ConfigError(f"config.init='random': no tiny instance of the {family!r} family (one of "
@@ -324,7 +319,6 @@ def check_rl(config) -> None:
                         "(python -m margrpo_jax.convert)")
     model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
     _check_model(config, model_cfg, f"the model.json of {path}")
-  from margrpo_jax.rl import estimators
   if estimators.get(config.rl.estimator).REENCODES and not cls.can_encode():
     raise ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the images, and "
                       f"the {model_cfg.family} family's image encoder is not implemented: use rl.estimator='chain'")
@@ -343,8 +337,6 @@ def check_rl(config) -> None:
 
 def _check_rl_prompts(config, model_cfg, cls, verifier) -> None:
   """The prompt sources can be read and suit the family and the rewards."""
-  from margrpo_jax.data import prompt_files
-  from margrpo_jax.rl import prompts as rl_prompts
   for key in ("rl.prompt_file", "eval.prompt_file"):
     present, path = _has(config, key)
     if not (present and path):
@@ -366,13 +358,10 @@ def _check_rl_prompts(config, model_cfg, cls, verifier) -> None:
 
 
 def check_eval(config) -> None:
-  from margrpo_jax.data import tfds_builders
-  from margrpo_jax.rewards import registry
   if not config.get("prompt_file") and config.get("dataset") not in tfds_builders.NAMES:
     raise ConfigError(f"dataset={config.get('dataset')!r} is not one of {', '.join(tfds_builders.NAMES)} (or set "
                       "prompt_file)")
   if config.get("dataset") == "shapes_world":
-    from margrpo_jax.data import shapes
     bad = [x for x in str(config.split).split(",") if x.strip() not in shapes.SPLITS]
     if bad:
       raise ConfigError(f"split={config.split!r} names {bad[0].strip()!r}, not a shapes-world split "
@@ -429,7 +418,6 @@ def check_keys(config) -> None:
   name = MODE_CONFIGS.get(config.mode)
   if name is None:
     return
-  from margrpo_jax import config_files
   missing = sorted(set(config_files.load(name).keys()) - set(config.keys()))
   if missing:
     raise ConfigError(f"config.mode={config.mode!r} needs the key{'s' if len(missing) > 1 else ''} "
@@ -441,7 +429,6 @@ def check(config, workdir: str) -> None:
   """All of the above for ``config.mode``; resolves ``rl.fidelity`` in place first."""
   check_keys(config)
   if "rl" in config:
-    from margrpo_jax.rl import config as rl_config
     for change in rl_config.resolve_fidelity(config):
       logging.info("rl.fidelity='official' sets %s", change)
   check_values(config)

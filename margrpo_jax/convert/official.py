@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from margrpo_jax import checkpoint, fileio
-from margrpo_jax.convert import core
+from margrpo_jax.convert import core, harmon, mar, nova
 
 FAMILIES = ("mar", "harmon", "nova")
 DROPPED = ("optimizer", "scaler")  # training state of the template that the fine-tuned weights make stale
@@ -46,7 +46,6 @@ def element_ids(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def trace(family: str, sd: dict, model_cfg, origin: str, text_sd: dict | None = None) -> dict:
   """The converter of ``family`` run on element ids: the parameter tree of source-element ids."""
-  from margrpo_jax.convert import harmon, mar, nova
   with core.tracing():
     if family == "mar":
       _, ids, _ = mar.convert(element_ids(sd), origin, model_cfg=model_cfg)
@@ -126,7 +125,6 @@ def export(family: str, src: str, template: str | None, out: str) -> dict:
   params = jax.tree.map(np.asarray, params)
   if family == "nova":
     return _export_nova(src, template, out, model_cfg, params)
-  from margrpo_jax.convert import harmon, mar
   module = mar if family == "mar" else harmon
   raw = core.read_checkpoint(template)
   used = next((k for k in module.PREFER if isinstance(raw, dict) and isinstance(raw.get(k), dict)), None)
@@ -154,7 +152,6 @@ def export(family: str, src: str, template: str | None, out: str) -> dict:
 def _export_nova(src: str, template: str, out: str, model_cfg, params) -> dict:
   from safetensors.torch import save
 
-  from margrpo_jax.convert import nova
   folder = os.path.abspath(template.rstrip("/"))
   if not os.path.isdir(folder) or not glob.glob(os.path.join(folder, "*.safetensors")):
     raise core.ConversionError(f"--template={template} is not the transformer/ folder of a NOVA pipeline (its "

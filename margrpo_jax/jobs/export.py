@@ -12,6 +12,7 @@ import os
 import jax.numpy as jnp
 
 from margrpo_jax import checkpoint
+from margrpo_jax.jobs import pretrain, rl as rl_job
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
@@ -23,13 +24,11 @@ def run(config, workdir: str) -> str:
   if mngr.latest_step() is None:
     raise checkpoint.CheckpointError(f"{mngr.directory} holds no checkpoint to export (run the job there first).")
   if "rl" in config:
-    from margrpo_jax.jobs import rl as rl_job
     s = rl_job.setup(config, workdir=workdir)
     _, state = checkpoint.restore_latest(mngr, s.init_state())
     params, model_cfg = s.trained_params(state), s.model_cfg
     source = checkpoint.official_source(rl_job.base_checkpoint(config, workdir))
   else:
-    from margrpo_jax.jobs import pretrain
     _, _, state = pretrain.init_state(config)
     _, state = checkpoint.restore_latest(mngr, state)
     params, model_cfg, source = state["ema"], config.model, None

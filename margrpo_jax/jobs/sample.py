@@ -19,6 +19,7 @@ from PIL import Image
 
 from margrpo_jax import checkpoint, fileio, generate, visualize
 from margrpo_jax.data import prompt_files, shapes, tfds_builders
+from margrpo_jax.models import random_instance
 
 
 def load_prompts(config, workdir: str) -> list[dict]:
@@ -45,7 +46,6 @@ def load_for_sampling(config, workdir: str | None = None):
   random-weight instance, ``config.init='random'``, carries its own: written into ``W/random_base``)."""
   model = config.get("model")
   if model is not None and not config.checkpoint and config.get("init") == "random" and workdir:
-    from margrpo_jax.models import random_instance
     ckpt = random_instance.materialize(model, os.path.join(workdir, "random_base"), config.seed)
     return (ckpt, *checkpoint.load_model(ckpt))
   if model is not None and not config.checkpoint:

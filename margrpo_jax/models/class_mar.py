@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from margrpo_jax.models import families
+from margrpo_jax.models import families, vae
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.layers import normal_param
 from margrpo_jax.models.mar import MARBackbone
@@ -91,6 +91,5 @@ class ClassMAR(families.Generator):
   @staticmethod
   def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:
     """Token canvases (N, seq_len, 16) -> (N, 16 * grid, 16 * grid, 3) uint8 through the KL-16 export."""
-    from margrpo_jax.models import vae
     return vae.decode_tokens(model_cfg.get("vae_checkpoint"), tokens)
 

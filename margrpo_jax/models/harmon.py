@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from margrpo_jax.checkpoint import CheckpointError
-from margrpo_jax.models import class_mar, families, qwen2, qwen_tokenizer
+from margrpo_jax.models import class_mar, families, qwen2, qwen_tokenizer, vae
 from margrpo_jax.models.class_mar import ClassConditionedBackbone
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.layers import linear
@@ -159,6 +159,5 @@ class Harmon(families.Generator):
   @staticmethod
   def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:
     """Token canvases (N, seq_len, 16) -> (N, 16 grid, 16 grid, 3) uint8 through the KL-16 export."""
-    from margrpo_jax.models import vae
     return vae.decode_tokens(model_cfg.get("vae_checkpoint"), tokens)
 

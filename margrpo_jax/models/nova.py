@@ -40,9 +40,10 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from margrpo_jax.models import families, phi2
+from margrpo_jax.models import families, phi2, vae
 from margrpo_jax.models.diffusion_head import timestep_embedding
-from margrpo_jax.models.layers import Attention, Mlp, linear
+from margrpo_jax.models.layers import Attention, linear, Mlp
+from margrpo_jax.sampling import nova as nova_sampling
 
 # variant -> width, heads, (head depth, head width), image token grid, video grid (t, h, w), VAE scale
 # (docs/models.md section 3.1)
@@ -316,7 +317,6 @@ class NOVA(families.Generator):
   @staticmethod
   def make_sample_fn(graphdef, model_cfg: ml_collections.ConfigDict, sampling, record: bool = False):
     """NOVA's own jitted sampler ``fn(state, ids, key) -> (tokens, record)`` (flow head, NOVA mask schedule)."""
-    from margrpo_jax.sampling import nova as nova_sampling
     if model_cfg.video_base_size[0] > 1:
       raise ValueError(f"NOVA {model_cfg.variant} is a text-to-video model; only text-to-image is implemented.")
     return nova_sampling.make_sample_fn(graphdef, nova_sampling.sampler_config(sampling), record)
@@ -324,7 +324,6 @@ class NOVA(families.Generator):
   @staticmethod
   def decode_images(model_cfg: ml_collections.ConfigDict, tokens: np.ndarray) -> np.ndarray:
     """Token canvases (N, L, 16) of scaled latents -> (N, H, W, 3) uint8 through ``model_cfg.vae_checkpoint``."""
-    from margrpo_jax.models import vae
     return vae.decode_latents(model_cfg.get("vae_checkpoint"), unpatchify(model_cfg, tokens))
 
 

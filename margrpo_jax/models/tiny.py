@@ -15,7 +15,7 @@ from flax import nnx
 
 from margrpo_jax import checkpoint
 from margrpo_jax.data import shapes
-from margrpo_jax.models import families, text
+from margrpo_jax.models import families, text, vae
 from margrpo_jax.models.diffusion_head import SimpleMLPAdaLN
 from margrpo_jax.models.mar import MARBackbone
 
@@ -93,7 +93,6 @@ class TinyMAR(families.Generator):
     """Token canvases (N, L, C) -> (N, 32, 32, 3) uint8 images: through the tokenizer's decoder, or the 4 x 4
     patches put back in place."""
     if model_cfg.get("vae_checkpoint"):
-      from margrpo_jax.models import vae
       return vae.decode_tokens(checkpoint.resolve(model_cfg.vae_checkpoint), tokens)
     return np.asarray(shapes.unpatchify(tokens))
 
@@ -101,7 +100,6 @@ class TinyMAR(families.Generator):
   def encode_images(model_cfg: ml_collections.ConfigDict, images: np.ndarray) -> np.ndarray:
     """uint8 images (N, 32, 32, 3) -> token canvases (N, L, C) (tokenizer mode latents, or raw patches)."""
     if model_cfg.get("vae_checkpoint"):
-      from margrpo_jax.models import vae
       return vae.encode_tokens(checkpoint.resolve(model_cfg.vae_checkpoint), images)
     return np.asarray(shapes.patchify(images))
 

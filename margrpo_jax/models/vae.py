@@ -38,7 +38,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from margrpo_jax import fileio
+from margrpo_jax import checkpoint, fileio
 
 # kind -> architecture (docs/models.md sections 1.5, 3.5; 'shapes': docs/tokenizer.md)
 KINDS = {
@@ -224,7 +224,6 @@ def to_uint8(images) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def _load(path: str):
-  from margrpo_jax import checkpoint
   cfg, graphdef, params = checkpoint.load_model(path)
   if cfg.family != "vae":
     raise checkpoint.CheckpointError(f"{path} holds a {cfg.family!r} model, not a VAE export "
@@ -241,13 +240,12 @@ def _encoder(path: str):
 
 def load(path: str | None, what: str = "model.vae_checkpoint"):
   """``(vae_cfg, graphdef, params, jitted decode(params, latents))`` of a VAE export, loaded once per path."""
-  from margrpo_jax.checkpoint import CheckpointError
   if not path:
-    raise CheckpointError(f"{what} is not set: convert the VAE with `python -m margrpo_jax.convert "
+    raise checkpoint.CheckpointError(f"{what} is not set: convert the VAE with `python -m margrpo_jax.convert "
                           "--family=kl16` (or sdvae) and pass the output folder.")
   path = fileio.resolve(path)
   if not fileio.isfile(os.path.join(path, "model.json")):
-    raise CheckpointError(f"{what}={path} is not a converted VAE export (no model.json inside).")
+    raise checkpoint.CheckpointError(f"{what}={path} is not a converted VAE export (no model.json inside).")
   return _load(path)
 
 

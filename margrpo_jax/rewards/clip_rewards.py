@@ -53,7 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from margrpo_jax import fileio
+from margrpo_jax import checkpoint, fileio
+from margrpo_jax.rewards import registry
+from margrpo_jax.rewards.clip_tokenizer import ClipTokenizer
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -145,7 +147,6 @@ def _path(cfg, name: str, key: str, hint: str) -> str:
 
 
 def _load(cfg, name: str, key: str, family: str, hint: str):
-  from margrpo_jax import checkpoint
   path = _path(cfg, name, key, hint)
   model_cfg, graphdef, params = checkpoint.load_model(path)
   if model_cfg.family != family:
@@ -162,8 +163,6 @@ class Encoders:
   L2-normalised embeddings (B, E) as numpy; preprocessing is inside the compiled image function."""
 
   def __init__(self, path: str, resize: str, batch_size: int):
-    from margrpo_jax import checkpoint
-    from margrpo_jax.rewards import registry
     self.cfg, graphdef, params = checkpoint.load_model(path)
     self.path, size = path, self.cfg.vision.image_size
     if self.cfg.family != "clip":
@@ -200,7 +199,6 @@ def _images(name: str, images) -> np.ndarray:
 
 def _cosine_scorer(cfg, name: str, default_resize: str, finish: Callable, prefix: str = ""):
   """``score(images, prompts) = finish(cos, exp(logit_scale))`` with the CLIP export ``cfg.checkpoint``."""
-  from margrpo_jax.rewards.clip_tokenizer import ClipTokenizer
   enc = encoders(cfg, name, default_resize)
   tok = ClipTokenizer(_path(cfg, name, "vocab", _VOCAB), enc.cfg.text.context_length)
 
@@ -241,7 +239,6 @@ def clip_score(cfg) -> Callable:
 
 def aesthetic(cfg) -> Callable:
   """LAION aesthetic: ``head(normalised image embedding)`` of the CLIP export ``checkpoint`` and head ``head``."""
-  from margrpo_jax.rewards import registry
   enc = encoders(cfg, "aesthetic", "pil")
   hint = "convert the head .pth with python -m margrpo_jax.convert --family=aesthetic."
   head_cfg, head_def, head_params = _load(cfg, "aesthetic", "head", "aesthetic", hint)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from margrpo_jax import fileio
-from margrpo_jax.rewards import wordpiece
+from margrpo_jax import checkpoint, fileio
+from margrpo_jax.rewards import registry, wordpiece
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -74,8 +74,6 @@ def _need(cfg, key: str) -> str:
 def build(cfg) -> Callable[[np.ndarray, list[str]], np.ndarray]:
   """The jitted ImageReward scorer of ``cfg.checkpoint`` (an ``imagereward`` export) with ``cfg.vocab``;
   ``cfg.batch_size`` (default 16) images per compiled call, on the device mesh (params replicated)."""
-  from margrpo_jax import checkpoint
-  from margrpo_jax.rewards import registry
   ckpt, vocab = _need(cfg, "checkpoint"), _need(cfg, "vocab")
   model_cfg, graphdef, params = checkpoint.load_model(ckpt)
   if model_cfg.family != "imagereward":

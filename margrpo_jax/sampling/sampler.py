@@ -36,6 +36,7 @@ from flax import nnx
 
 from margrpo_jax import rng
 from margrpo_jax.diffusion import flow, gaussian
+from margrpo_jax.parallel import sharding
 from margrpo_jax.sampling import schedule as schedule_lib
 
 
@@ -83,7 +84,6 @@ class Record:
   @classmethod
   def shardings(cls, mesh):
     """A ``Record`` of ``NamedSharding``: each field split along its batch axis."""
-    from margrpo_jax.parallel import sharding
     return cls(**{k: sharding.replicated(mesh) if ax is None else sharding.batch_sharding(mesh, nd, ax)
                   for k, (nd, ax) in cls.LAYOUT.items()})
 
@@ -317,7 +317,6 @@ def _jitted(graphdef, dkey, cfg: SamplerConfig, record: bool, mesh=None, rules=N
 
   if mesh is None:
     return jax.jit(fn)
-  from margrpo_jax.parallel import sharding
   params = sharding.param_shardings(mesh, sharding.abstract(sig), rules)
   ids = sharding.batch_sharding(mesh, ids_ndim)
   out = (sharding.batch_sharding(mesh, 3), Record.shardings(mesh) if record else None)
@@ -343,6 +342,5 @@ def make_sample_fn(graphdef, diff, cfg: SamplerConfig, record: bool = False, mes
   _DIFFS.setdefault(key, diff)
   if mesh is None:
     return _jitted(graphdef, key, cfg, record)
-  from margrpo_jax.parallel import sharding
   return _jitted(graphdef, key, cfg, record, mesh, sharding.hashable_rules(rules), sharding.signature(params),
                  ids_ndim)

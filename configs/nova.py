@@ -57,7 +57,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.update(group_size=4, prompts_per_iter=3, num_ar_steps=12, num_diffusion_steps=10, mte_seeds=3,
               topk_fraction=0.3, consistency=True, beta=0.01, channel_reduction="mean", remat=True,
               diffusion_window="1:-1")  # no sigma = 1 first step, no near-deterministic last SDE step (std ~7e-4)
-  c.rl.flow_noise_level = 0.7             # Flow-GRPO SDE (docs/algorithm.md section 3.4)
   c.rl.rewards.hps = 1.0
   c.optim.update(lr=2e-6, warmup_steps=0, decay="constant", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
                  grad_clip=1.0)

@@ -65,7 +65,7 @@ IN_RANGE = {
     "sampling.cfg_scale": (0, INF, True, False), "sampling.temperature": (0, INF, False, False),
     "sampling.clip_denoised": (0, INF, True, False), "sampling.flow_noise_level": (0, INF, True, False),
     "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.topk_fraction": (0, 1, True, True),
-    "rl.ema_decay": (0, 1, True, False), "rl.flow_noise_level": (0, INF, True, False),
+    "rl.ema_decay": (0, 1, True, False),
     "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
     "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
     "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
@@ -84,7 +84,7 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoi
 # Keys added after runs were recorded, each with the value that computes what a run recorded without it did: such a
 # run resumes (or is read) under a newer version while the key keeps that value.
 ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
-              "rl.rollout_policy": "policy"}
+              "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
 
 
@@ -323,8 +323,8 @@ def check_rl(config) -> None:
     raise ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the images, and "
                       f"the {model_cfg.family} family's image encoder is not implemented: use rl.estimator='chain'")
   rl_config.step_config(config, model_cfg)  # with the base's own head (a flow head's rules: estimator, noise level)
-  if config.rl.get("pretrain_mix") and (not estimators.get(config.rl.estimator).REENCODES
-                                        or model_cfg.family != "tiny" or config.rl.prompt_file):
+  if config.rl.pretrain_mix and (not estimators.get(config.rl.estimator).REENCODES
+                                 or model_cfg.family != "tiny" or config.rl.prompt_file):
     raise ConfigError(f"rl.pretrain_mix={config.rl.pretrain_mix} renders shapes-world train images for the "
                       "update: it needs a forward-process estimator (image_elbo, awm, nft), the shapes-world base "
                       "and its own train prompts (no rl.prompt_file)")

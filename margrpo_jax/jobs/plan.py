@@ -93,7 +93,7 @@ def plan(config, emit=lambda line: None) -> list[str]:
   ids = jax.ShapeDtypeStruct(ids_shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(ids_shape)))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(mesh))
   diff = step_lib.make_chain(static)  # Gaussian diffusion, or NOVA's flow SDE
-  dtypes = [d.strip() for d in (config.plan.get("dtypes") or config.rl.get("compute_dtype", "float32")).split(",")]
+  dtypes = [d.strip() for d in (config.plan.dtypes or config.rl.compute_dtype).split(",")]
   for dtype in dtypes:  # the memory of each compute dtype (models/precision.py): 'rollout', 'rollout_bfloat16', ...
     g = precision.with_compute(graphdef, params, dtype)
     tag = "" if dtype == "float32" else f"_{dtype}"

@@ -100,7 +100,7 @@ def initialize(parallel_cfg) -> None:
   if not parallel_cfg.distributed:
     return
   env = os.environ
-  timeout = int(parallel_cfg.get("init_timeout_s", 300))
+  timeout = int(parallel_cfg.init_timeout_s)
   kw = dict(initialization_timeout=timeout)
   if "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env:
     kw.update(num_processes=int(env["JAX_NUM_PROCESSES"]), process_id=int(env["JAX_PROCESS_ID"]))

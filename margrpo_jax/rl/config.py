@@ -60,12 +60,12 @@ def resolve_fidelity(config) -> list[str]:
   named in ``rl.official_except`` (comma-separated; they keep their configured value); returns the ``key=value``
   assignments that changed something."""
   if config.rl.fidelity != "official":
-    if str(config.rl.get("official_except", "")).strip():
+    if str(config.rl.official_except).strip():
       raise config_files.ConfigError(f"rl.official_except={config.rl.official_except!r} only applies with "
                                      f"rl.fidelity='official' (it is {config.rl.fidelity!r})")
     return []
   official = dict(OFFICIAL_NOVA if head_kind(config) == "flow" else OFFICIAL)
-  keep = [k.strip() for k in str(config.rl.get("official_except", "")).split(",") if k.strip()]
+  keep = [k.strip() for k in str(config.rl.official_except).split(",") if k.strip()]
   for k in keep:
     if k not in official:
       raise config_files.ConfigError(f"rl.official_except names {k!r}, not a switch of rl.fidelity='official' "
@@ -104,7 +104,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   est = estimators.get(rl.estimator)
   est_logp = getattr(est, "BATCH_LOGP", "chain")
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps,
-                                   cfg_scale=rl.get("rollout_cfg_scale") or config.sampling.cfg_scale,
+                                   cfg_scale=rl.rollout_cfg_scale or config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
                                    temperature=config.sampling.temperature, guidance=True,
                                    clip_denoised=float(config.sampling.clip_denoised),
@@ -130,8 +130,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   if is_flow and rl.estimator != "chain":
     raise config_files.ConfigError(f"rl.estimator={rl.estimator!r} scores the Gaussian head's denoising ELBO: a flow "
                                    "head (NOVA) is scored on its recorded SDE transitions (rl.estimator='chain')")
-  noise = float(rl.get("flow_noise_level", 0.7))
-  if is_flow and not 0.0 < noise <= 1.0:
+  noise = float(rl.flow_noise_level)
+  if not 0.0 < noise <= 1.0:
     raise config_files.ConfigError(f"rl.flow_noise_level={noise} must lie in (0, 1]: the rollouts need a "
                                    "stochastic flow SDE (0 is NOVA's deterministic ODE, which has no log-prob)")
   try:

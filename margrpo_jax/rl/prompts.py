@@ -42,7 +42,7 @@ def class_labels(num_classes: int) -> list[dict]:
 
 def source(config, model_cfg) -> str:
   """What the prompts are, in a few words (for logs and the report)."""
-  if config.rl.get("prompt_file"):
+  if config.rl.prompt_file:
     return config.rl.prompt_file
   return "class labels" if model_cfg.get("num_classes") and model_cfg.family == "mar" else "shapes world"
 
@@ -50,7 +50,7 @@ def source(config, model_cfg) -> str:
 def load(config, model_cfg, data_dir: str) -> tuple[list[dict], list[dict]]:
   """``(train, eval)`` records of the run (module docstring)."""
   n_eval = config.eval.num_prompts
-  file = config.rl.get("prompt_file")
+  file = config.rl.prompt_file
   if file:
     train = read_file(file)
     eval_recs = read_file(config.eval.prompt_file) if config.eval.get("prompt_file") else train

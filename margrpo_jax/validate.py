@@ -84,7 +84,10 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoi
 # Keys added after runs were recorded, each with the value that computes what a run recorded without it did: such a
 # run resumes (or is read) under a newer version while the key keeps that value.
 ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
-              "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7}
+              "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7, "rl.diversity_bonus": 0.0,
+              "rl.rollout_cfg_scale": 0.0}
+# Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
+REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
 
 
@@ -464,7 +467,8 @@ def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
   if isinstance(before, dict):
     a, b = flatten(before), flatten(now)
     diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>")
-                  and not (k not in a and k in ADDED_KEYS and b.get(k) == ADDED_KEYS[k]))
+                  and not (k not in a and k in ADDED_KEYS and b.get(k) == ADDED_KEYS[k])
+                  and not (k not in b and k in REMOVED_KEYS and a.get(k) == REMOVED_KEYS[k]))
     unsafe = [k for k in diff if not (allow_changes and _safe(k))]
     if unsafe:
       shown = ", ".join(f"{k} ({a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r})" for k in unsafe[:6])

@@ -108,6 +108,13 @@ def test_resume_means_the_same_run(tmp_path):
   with pytest.raises(config_files.ConfigError, match=r"rl.microbatch \('<absent>' -> 2\)"):
     validate.begin_run(config, wd)
   config.rl.microbatch = 0
+  old["rl"]["debug_nan_iter"] = -1  # a key since removed, at the value that computes what the code does today
+  (tmp_path / "w" / "config.json").write_text(json.dumps(old))
+  validate.begin_run(config, wd)
+  old["rl"]["debug_nan_iter"] = 3
+  (tmp_path / "w" / "config.json").write_text(json.dumps(old))
+  with pytest.raises(config_files.ConfigError, match=r"rl.debug_nan_iter \(3 -> '<absent>'\)"):
+    validate.begin_run(config, wd)
   config.optim.lr *= 2
   config.rl.group_size = 4
   with pytest.raises(config_files.ConfigError, match=r"optim.lr .*rl.group_size \(\d+ -> 4\)"):

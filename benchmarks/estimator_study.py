@@ -127,6 +127,10 @@ CELLS = {
     "image_elbo_p16_ld": Cell("image_elbo", (("rl.mar_objective.label_drop", 0.1),),
                               "image ELBO, A >= 0, 16 x 8, label drop 0.1 (the unconditional branch trained too)",
                               (16, 8)),
+    # m. exploration against the self-consuming loop: rollouts at a higher diffusion temperature spread the images
+    #    the filter keeps (every export is still read at temperature 1)
+    "image_elbo_p16_t125": Cell("image_elbo", (("rl.rollout_temperature", 1.25),),
+                                "image ELBO, A >= 0, 16 x 8, rollouts at temperature 1.25", (16, 8)),
     "image_elbo_p16_anchor01": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 0.1)),
                                     "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 0.1",
                                     (16, 8)),

@@ -97,6 +97,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                   # frozen base every iteration: rejection-sampling fine-tuning toward the base's
                                   # passing images, no self-training loop; docs/estimators.md)
       rollout_cfg_scale=0.0,
+      rollout_temperature=0.0,    # > 0: the rollouts' diffusion-noise temperature (else sampling.temperature, which the
+                                  # job's own eval and every reading of the export use)
       flow_noise_level=0.7,       # a flow head (NOVA): the rollouts' SDE noise level in (0, 1] (Flow-GRPO; 0 would be
                                   # NOVA's deterministic ODE, which has no log-prob)      # > 0: the rollouts' guidance scale (else sampling.cfg_scale, which the job's own
                                   # eval and every reading of the export use)

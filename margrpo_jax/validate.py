@@ -68,6 +68,7 @@ IN_RANGE = {
     "rl.ema_decay": (0, 1, True, False),
     "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
     "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
+    "rl.rollout_temperature": (0, INF, True, False),
     "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
@@ -85,7 +86,7 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoi
 # run resumes (or is read) under a newer version while the key keeps that value.
 ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
               "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7, "rl.diversity_bonus": 0.0,
-              "rl.rollout_cfg_scale": 0.0}
+              "rl.rollout_cfg_scale": 0.0, "rl.rollout_temperature": 0.0}
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir

@@ -56,6 +56,9 @@ def test_rollouts_have_their_own_guidance_scale():
   assert c.rl.rollout_cfg_scale == 0.0 and rl_config.step_config(c).sampler.cfg_scale == c.sampling.cfg_scale
   c.rl.rollout_cfg_scale = 7.0
   assert rl_config.step_config(c).sampler.cfg_scale == 7.0 and c.sampling.cfg_scale == 3.0
+  assert rl_config.step_config(c).sampler.temperature == c.sampling.temperature == 1.0
+  c.rl.rollout_temperature = 1.25
+  assert rl_config.step_config(c).sampler.temperature == 1.25 and c.sampling.temperature == 1.0
 
 
 @pytest.fixture(scope="module")

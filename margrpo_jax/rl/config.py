@@ -106,7 +106,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps,
                                    cfg_scale=rl.rollout_cfg_scale or config.sampling.cfg_scale,
                                    cfg_schedule=config.sampling.cfg_schedule,
-                                   temperature=config.sampling.temperature, guidance=True,
+                                   temperature=rl.rollout_temperature or config.sampling.temperature, guidance=True,
                                    clip_denoised=float(config.sampling.clip_denoised),
                                    order_group=rl.group_size if rl.shared_order or rl.shared_noise else 1,
                                    vary_steps=num_ar if rl.shared_noise else 0,

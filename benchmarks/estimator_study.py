@@ -247,7 +247,7 @@ def study(args):
     hist = fileio.read_jsonl(os.path.join(wd, "metrics.jsonl"))
     train_s = float(sum(h["step_seconds"] for h in hist))
     common = dict(tag, train_seconds=train_s, images_per_s=args.budget / max(train_s, 1e-9),
-                  drift=metrics.drift(s.trained_policy(state), s.policy), note=CELLS[name].note,
+                  drift=metrics.drift(s.trained_policy(state), s.base_policy), note=CELLS[name].note,
                   rollout_strict_last20=float(np.mean([h["strict_pass"] for h in hist[-20:]])))
     for which, sampling in variants.items():
       if which in done:
@@ -255,13 +255,13 @@ def study(args):
       rec = dict(common, sampling=which, ema=measure(s.graphdef, s.trained_params(state), s.model_cfg, args.split,
                                                      sampling, sample_seeds))
       if which == "default" and s.static.ema_decay:
-        rec["raw"] = measure(s.graphdef, {**s.frozen, **state["policy"]}, s.model_cfg, args.split, sampling,
+        rec["raw"] = measure(s.graphdef, s.model_params(state["policy"]), s.model_cfg, args.split, sampling,
                              sample_seeds)
       append(results, rec)
     for a in wise:  # the export moved a fraction of the way from the base (WiSE-FT): theta_0 + a (theta - theta_0)
-      mixed = jax.tree.map(lambda t, b, a=a: b + a * (t - b), s.trained_policy(state), s.policy)
+      mixed = jax.tree.map(lambda t, b, a=a: b + a * (t - b), s.trained_policy(state), s.base_policy)
       append(results, dict(common, cell=wise_name(name, a), sampling="default", note=f"{CELLS[name].note}; "
-                           f"export theta_0 + {a} (theta - theta_0)", drift=metrics.drift(mixed, s.policy),
+                           f"export theta_0 + {a} (theta - theta_0)", drift=metrics.drift(mixed, s.base_policy),
                            ema=measure(s.graphdef, {**s.frozen, **mixed}, s.model_cfg, args.split,
                                        variants["default"], sample_seeds)))
     print(f"    measured in {(time.time() - t0) / 60:.1f} min", flush=True)

@@ -96,7 +96,7 @@ def main():
 
   @jax.jit
   def grad(policy, batch):
-    g = jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(s.graphdef, {**s.frozen, **p}), s.diff, lcfg, batch)[0])(
+    g = jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(s.graphdef, s.model_params(p)), s.diff, lcfg, batch)[0])(
         policy)
     return jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])
 

@@ -57,7 +57,7 @@ def main():
   @jax.jit
   def grad(policy, mte_x_t, mte_x_prev, mte_old_logp):
     b = batch.replace(mte_x_t=mte_x_t, mte_x_prev=mte_x_prev, mte_old_logp=mte_old_logp)
-    g = jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(s.graphdef, {**s.frozen, **p}), s.diff, lcfg, b)[0])(policy)
+    g = jax.grad(lambda p: loss_lib.loss_fn(nnx.merge(s.graphdef, s.model_params(p)), s.diff, lcfg, b)[0])(policy)
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(g)])
 
   out = dict(pool=args.pool, batch=len(ro["ids"]), selected_tokens=int(np.asarray(batch.keep).sum()))

@@ -57,7 +57,7 @@ def main():
         for a in DEFAULT_SETTINGS + tuple(args.set):
           config_files.override(c, a)
         s = rl_job.setup(c)
-        before = L.eval_rewards(c, s, s.policy, eval_recs, reward) if before is None else before
+        before = L.eval_rewards(c, s, s.params, eval_recs, reward) if before is None else before
         t1 = time.time()
         row = L.run_one(c, train_recs, eval_recs, reward, before, s)
         after = row.pop("after_rewards")

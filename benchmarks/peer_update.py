@@ -142,7 +142,7 @@ def agree(ref: TorchMAR, s, sd: dict, batch, tb: dict, size: str) -> None:
   rel = lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-300))
 
   def jax_grad(b):
-    fn = lambda p: loss_lib.loss_fn(nnx.merge(s.graphdef, {**s.frozen, **p}), s.diff, s.static.loss, b)[0]
+    fn = lambda p: loss_lib.loss_fn(nnx.merge(s.graphdef, s.model_params(p)), s.diff, s.static.loss, b)[0]
     g = jax.jit(jax.grad(fn))(s.policy)
     return flat({k: g[k] for k in s.policy})
 
@@ -197,7 +197,7 @@ def main():
   sc = s.static
   check_official(sc.loss, sc.batch)
   labels = jnp.asarray(np.arange(a.batch, dtype=np.int32) * 97 % model_cfg.num_classes)
-  final, rec = s.rollout_fn({**s.frozen, **s.policy}, labels, jax.random.key(0))
+  final, rec = s.rollout_fn(s.model_params(s.policy), labels, jax.random.key(0))
   adv = jnp.asarray(np.random.default_rng(0).normal(size=a.batch).astype(np.float32))
   batch, _ = jax.jit(functools.partial(step_lib.build_batch, s.graphdef, s.diff, sc))(
       s.policy, s.frozen, s.ref, labels, adv, rec, final, jax.random.key(1))

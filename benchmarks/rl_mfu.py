@@ -65,7 +65,7 @@ def main():
   batch = a.group_size * a.prompts
   labels = jnp.asarray(np.random.default_rng(0).integers(1000, size=batch), jnp.int32)
   key = jax.random.key(0)
-  params = {**s.frozen, **s.policy}
+  params = s.model_params(s.policy)
 
   t0 = time.perf_counter()
   roll = s.rollout_fn.lower(params, labels, key).compile()

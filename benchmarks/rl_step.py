@@ -69,7 +69,7 @@ def main():
     if ro is None:  # one recorded rollout, shared by both variants
       ro = rl_job.rollout(config, s, s.policy, recs, 0)
       ids = ro["ids"]
-      rollout_s = timed(s.rollout_fn, lambda: ({**s.frozen, **s.policy}, ids, jax.random.key(1)), args.repeats)
+      rollout_s = timed(s.rollout_fn, lambda: (s.model_params(s.policy), ids, jax.random.key(1)), args.repeats)
       out["rollout_images_per_s"] = round(len(ids) / rollout_s, 2)
       adv = advantages.group_advantages(ro["reward"], args.group_size, "drgrpo") + 0.1  # any non-zero advantages
     key = jax.random.key(2)

@@ -34,6 +34,7 @@ import ml_collections
 from margrpo_jax import config_files
 from margrpo_jax.parallel import mesh
 from margrpo_jax.rewards import registry
+from margrpo_jax.rl import lora
 
 VARIANTS = ("grpo", "frozen_head", "frozen_head_mte", "frozen_head_mte_topk", "margrpo", "paper", "focused",
             "token_elbo", "image_elbo", "awm", "nft")
@@ -135,6 +136,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
                                   # and eval); params, grads, optimizer state and log-probs stay float32
                                   # (models/precision.py)
+      # LoRA (margrpo_jax/rl/lora.py): rank > 0 trains only W' = W + (alpha / rank) A B on the targeted kernels of
+      # the trained components (A random, B zero: starts at the base); the base, the reference, is frozen and the
+      # export merges the adapters into ordinary weights. rank 0 = full fine-tuning.
+      lora=dict(rank=0,
+                alpha=0.0,        # 0 = rank (scale 1)
+                targets=lora.DEFAULT_TARGETS),  # comma-separated regexes over '/'-joined parameter paths, e.g.
+                                  # backbone/encoder_blocks/0/attn/qkv/kernel; default: every transformer block's
+                                  # attention and MLP kernels (not embeddings, projections or the head)
   )
   c.rewards = registry.settings_config()  # learned rewards: checkpoint, vocab and options per name
   c.optim = dict(lr=3e-5, warmup_steps=0, decay="constant", final_lr_frac=1.0, b1=0.9, b2=0.999, eps=1e-8,

@@ -9,7 +9,8 @@ r"""What a fine-tuned shapes-world generator is measured by, over several sampli
   Euclidean distance of the images' tokenizer latents (the re-encoding, ``(L C,)`` vectors), averaged over
   prompts. A mode-seeking update shrinks it.
 * **Drift** (:func:`drift`): the relative parameter distance ``|theta - theta_0| / |theta_0|`` of the trained
-  components from the base.
+  components from the base, as full weights (``Setup.trained_policy``: LoRA adapters merged) against
+  ``Setup.base_policy``.
 
 :func:`summary` reduces per-seed figures to mean and standard error (over seeds), and paired differences.
 """
@@ -54,7 +55,8 @@ def diversity(graphdef, params, model_cfg, prompts: list[str], images_per_prompt
 
 
 def drift(params, base) -> float:
-  """``|theta - theta_0| / |theta_0|`` over the leaves of ``params`` (the trained components)."""
+  """``|theta - theta_0| / |theta_0|`` over the leaves of ``params`` (the trained components' full weights) and
+  ``base`` (the same tree)."""
   flat = lambda t: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)])
   a, b = flat(params), flat(base)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))

@@ -1,7 +1,7 @@
 """Named RNG streams: every random choice draws from ``stream(key, name)``, a fold of one base key.
 
 Streams in use: 'order' (generation order), 'diffusion' (per-AR-step head noise), 'mask' / 'ratio'
-(pretraining masks), 'label_drop', 'timestep', 'noise', 'data'. Same seed, same results.
+(pretraining masks), 'label_drop', 'timestep', 'noise', 'data', 'lora' (LoRA's initial A). Same seed, same results.
 """
 import zlib
 

@@ -32,7 +32,7 @@ from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective, random_instance
 from margrpo_jax.parallel import mesh as mesh_lib
 from margrpo_jax.rewards import clip_rewards, registry
-from margrpo_jax.rl import config as rl_config, estimators, prompts as rl_prompts
+from margrpo_jax.rl import config as rl_config, estimators, lora, prompts as rl_prompts
 from margrpo_jax.sampling import sampler
 from margrpo_jax.config_files import ConfigError
 
@@ -48,7 +48,7 @@ AT_LEAST = {
     "sampling.num_steps": 1, "optim.warmup_steps": 0, "mar.diffusion_batch_mul": 1,
     "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.microbatch": 0,
     "rl.mte_seeds": 0, "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1,
-    "rl.elbo_rows": 0, "rl.elbo_draws": 1,
+    "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.lora.rank": 0,
     "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
     "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1, "parallel.init_timeout_s": 1,
 }
@@ -70,6 +70,7 @@ IN_RANGE = {
     "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
     "rl.rollout_temperature": (0, INF, True, False),
     "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
+    "rl.lora.alpha": (0, INF, True, False),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
 OPTIONS = {
@@ -86,7 +87,8 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoi
 # run resumes (or is read) under a newer version while the key keeps that value.
 ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
               "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7, "rl.diversity_bonus": 0.0,
-              "rl.rollout_cfg_scale": 0.0, "rl.rollout_temperature": 0.0}
+              "rl.rollout_cfg_scale": 0.0, "rl.rollout_temperature": 0.0, "rl.lora.rank": 0, "rl.lora.alpha": 0.0,
+              "rl.lora.targets": lora.DEFAULT_TARGETS}
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir

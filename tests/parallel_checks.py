@@ -32,8 +32,8 @@ RL_MESHES = ("2x4", "2x2x2")  # the RL step (the costliest compile): data x fsdp
 
 
 def max_diff(a, b) -> float:
-  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))), default=0.0)
 
 
 def host(tree):
@@ -60,15 +60,17 @@ def pretrain_checks(config, recs, out):
   return host(state["params"])
 
 
-def rl_checks(params, model_cfg, graphdef, out):
-  """One MAR-GRPO update (MTE over 2 seeds, top-k, consistency) on each mesh against one device."""
+def rl_checks(params, model_cfg, graphdef, out, meshes=RL_MESHES, lora_rank: int = 0, prefix: str = "rl"):
+  """One MAR-GRPO update (MTE over 2 seeds, top-k, consistency) on each of ``meshes`` against one device; with
+  ``lora_rank`` the policy is LoRA adapters (sharded like their kernels, the reference the base)."""
   c = config_files.load("shapes_rl", "margrpo,smoke")
   c.rl.update(group_size=2, prompts_per_iter=8, mte_seeds=2, topk_fraction=0.5)
+  c.rl.lora.rank = lora_rank
   c.rl.rewards.update(shapes_partial=0.0, jpeg_compressibility=1.0)
   c.optim.update(lr=1.0, eps=1.0)  # update ~ g / (|g| + 1): parameter differences track gradient differences
   recs = rl_prompts.from_metadata(shapes.split_records("train", num_train=400))
   results = {}
-  for name, shape in [("1", dict(data=1, fsdp=1, tensor=1))] + [(m, MESHES[m]) for m in RL_MESHES]:
+  for name, shape in [("1", dict(data=1, fsdp=1, tensor=1))] + [(m, MESHES[m]) for m in meshes]:
     c.parallel.mesh.update(shape)
     devices = jax.devices()[:1] if name == "1" else None
     if devices:  # the single-device reference: a 1-device mesh
@@ -82,20 +84,23 @@ def rl_checks(params, model_cfg, graphdef, out):
       adv = np.asarray(advantages.group_advantages(ro["reward"], c.rl.group_size, c.rl.advantage))
       inputs = host(dict(ids=ro["ids"], rec=ro["rec"], final=ro["final"]))
     put = lambda x, sh: jax.device_put(x, sh)
-    ins = step_lib.step_shardings(s.mesh, sharding.hashable_rules(c.parallel.rules), s.tx, s.policy, s.frozen)
+    ins = step_lib.step_shardings(s.mesh, sharding.hashable_rules(c.parallel.rules), s.tx, s.policy, s.frozen,
+                                  lora=bool(lora_rank))
     sh = ins["in_shardings"]
     frozen_before, ref_before = host(s.frozen), host(s.ref)
     state, m = s.step_fn(s.init_state(), s.frozen, s.ref, put(inputs["ids"], sh[3]), put(adv, sh[4]),
                          jax.tree.map(put, inputs["rec"], sh[5]), put(inputs["final"], sh[6]),
                          rng.stream(ro["key"], "train"))
     results[name] = host(dict(policy=state["policy"], loss=m["loss"], kl=m["kl"], keep=m["keep_frac"]))
-    out.setdefault("rl/untouched", []).append(
+    results[name]["sharded"] = sum(1 for x in jax.tree.leaves(state["policy"]) if not x.sharding.is_fully_replicated)
+    out.setdefault(f"{prefix}/untouched", []).append(
         max_diff(s.frozen, frozen_before) == 0.0 and max_diff(s.ref, ref_before) == 0.0)
-    out.setdefault("rl/policy_moved", []).append(max_diff(state["policy"], s.policy))
-  for name in RL_MESHES:
+    out.setdefault(f"{prefix}/policy_moved", []).append(max_diff(state["policy"], s.policy))
+  for name in meshes:
     r, one = results[name], results["1"]
-    out[f"rl/{name}"] = dict(loss=abs(float(r["loss"]) - float(one["loss"])), kl=abs(float(r["kl"] - one["kl"])),
-                             keep=abs(float(r["keep"] - one["keep"])), params=max_diff(r["policy"], one["policy"]))
+    out[f"{prefix}/{name}"] = dict(loss=abs(float(r["loss"]) - float(one["loss"])),
+                                   kl=abs(float(r["kl"] - one["kl"])), keep=abs(float(r["keep"] - one["keep"])),
+                                   params=max_diff(r["policy"], one["policy"]), sharded_leaves=r["sharded"])
 
 
 def restore_checks(params, out):
@@ -150,6 +155,7 @@ def main():
     st, _ = step(st, pretrain.make_batch(recs, i, 16, 0, config.model))
   params = host(st["params"])
   rl_checks(params, config.model, graphdef, out)
+  rl_checks(params, config.model, graphdef, out, meshes=("2x4",), lora_rank=4, prefix="rl_lora")
   restore_checks(params, out)
   print(json.dumps(out))
 

@@ -100,14 +100,18 @@ def test_resume_means_the_same_run(tmp_path):
   assert (tmp_path / "w" / "config.json").read_text() == recorded
   validate.begin_run(config, wd, allow_changes=True)  # extending a run is a safe change
   assert json.loads((tmp_path / "w" / "config.json").read_text())["num_iters"] == config.num_iters
-  old = json.loads((tmp_path / "w" / "config.json").read_text())  # recorded before rl.microbatch existed
-  del old["rl"]["microbatch"]
+  old = json.loads((tmp_path / "w" / "config.json").read_text())  # recorded before rl.microbatch and rl.lora
+  del old["rl"]["microbatch"], old["rl"]["lora"]
   (tmp_path / "w" / "config.json").write_text(json.dumps(old))
-  validate.begin_run(config, wd)  # the key keeps the value that computes what that run did
+  validate.begin_run(config, wd)  # the keys keep the values that compute what that run did
   config.rl.microbatch = 2
   with pytest.raises(config_files.ConfigError, match=r"rl.microbatch \('<absent>' -> 2\)"):
     validate.begin_run(config, wd)
   config.rl.microbatch = 0
+  config.rl.lora.rank = 4
+  with pytest.raises(config_files.ConfigError, match=r"rl.lora.rank \('<absent>' -> 4\)"):
+    validate.begin_run(config, wd)
+  config.rl.lora.rank = 0
   old["rl"]["debug_nan_iter"] = -1  # a key since removed, at the value that computes what the code does today
   (tmp_path / "w" / "config.json").write_text(json.dumps(old))
   validate.begin_run(config, wd)

@@ -38,7 +38,9 @@ HARMLESS = [
      "read only when that learned reward is used (then checked: check_learned_rewards)"),
     (r"variant|prompts|model\.(size|variant|text_encoder\.family|diffusion\.sampling_steps)", ANY,
      "a label or a setting of another mode: never read by this config's job"),
-    (r"optim\.(lr|eps|grad_clip|weight_decay)|beta|rl\.(beta|clip_eps|adv_clip|pretrain_mix|diversity_bonus)"
+    (r"rl\.lora\.targets", ANY, "read only with rl.lora.rank > 0 (then every regex must match a trained kernel)"),
+    (r"optim\.(lr|eps|grad_clip|weight_decay)|beta|rl\.(beta|clip_eps|adv_clip|pretrain_mix|diversity_bonus"
+     r"|lora\.alpha)"
      r"|rl\.rollout_(cfg_scale|temperature)|sampling\.(cfg_scale|temperature|clip_denoised|flow_noise_level)|mar\.mask_ratio_std"
      r"|model\.(.*mlp_ratio|llm\.(rms_eps|rope_theta)|text_encoder\.(eps|rope_theta)|diffusion\.shift|scale|shift"
      r"|vae_scale)", {"huge"},

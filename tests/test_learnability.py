@@ -20,7 +20,7 @@ def test_focused_rl_raises_brightness_above_the_shuffled_control():
   train_recs = shapes.split_records("train", num_train=2000)
   eval_recs = shapes.split_records("eval")[::16]  # 32 prompts, 8 per task
   s = rl_job.setup(config)
-  before = learnability.eval_rewards(config, s, s.policy, eval_recs, "brightness")
+  before = learnability.eval_rewards(config, s, s.params, eval_recs, "brightness")
   real = learnability.run_one(config, train_recs, eval_recs, "brightness", before, s)
   config.rl.shuffle_advantages = True
   control = learnability.run_one(config, train_recs, eval_recs, "brightness", before, s)

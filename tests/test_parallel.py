@@ -59,6 +59,15 @@ def test_rl_step_leaves_head_and_reference_alone_and_moves_the_policy(checks):
 
 
 @pytest.mark.slow  # the 8-device subprocess
+def test_sharded_lora_step_equals_one_device_and_shards_the_adapters(checks):
+  """rl.lora.rank=4: the adapters (A on its kernel's input axis, B on its output axis) are the only state; the base
+  (frozen, never donated) is untouched; the 2 x 4 step equals one device."""
+  r = checks["rl_lora/2x4"]
+  assert r["loss"] < TOL and r["kl"] < TOL and r["keep"] == 0.0 and r["params"] < TOL and r["sharded_leaves"] > 0, r
+  assert all(checks["rl_lora/untouched"]) and min(checks["rl_lora/policy_moved"]) > 1e-3
+
+
+@pytest.mark.slow  # the 8-device subprocess
 @pytest.mark.parametrize("target", ["1x8", "one"])
 def test_restore_onto_another_mesh(checks, target):
   r = checks[f"restore/{target}"]

@@ -36,9 +36,10 @@ def rl_config(variant: str, reward: str, iters: int, overrides: dict | None = No
   return c
 
 
-def eval_rewards(config, s: rl_job.Setup, policy: dict, recs: list[dict], reward: str) -> np.ndarray:
-  """Per-image ``reward`` (N,) of the policy on ``recs``' prompts, sampled with ``config.eval.seed``."""
-  images = generate.generate(s.graphdef, {**s.frozen, **policy}, s.model_cfg, [r["prompt"] for r in recs],
+def eval_rewards(config, s: rl_job.Setup, params: dict, recs: list[dict], reward: str) -> np.ndarray:
+  """Per-image ``reward`` (N,) of the model ``params`` (``s.params``, the base, or ``s.trained_params(state)``) on
+  ``recs``' prompts, sampled with ``config.eval.seed``."""
+  images = generate.generate(s.graphdef, params, s.model_cfg, [r["prompt"] for r in recs],
                              config.sampling, seed=config.eval.seed, batch_size=config.eval.batch_size)
   return np.asarray(registry.REWARDS[reward](images, recs), np.float64)
 
@@ -60,14 +61,14 @@ def run_one(config, train_recs: list[dict], eval_recs: list[dict], reward: str, 
   s = setup or rl_job.setup(config)
   train_recs = rl_prompts.from_metadata(train_recs)  # shapes-world metadata -> the RL job's prompt records
   if before is None:
-    before = eval_rewards(config, s, s.policy, eval_recs, reward)
+    before = eval_rewards(config, s, s.params, eval_recs, reward)
   state = s.init_state()
   t0, history = time.time(), []
   for it in range(config.num_iters):
     state, m, _ = rl_job.iteration(config, s, state, train_recs, it)
     if m is not None:
       history.append(m["reward"])
-  after = eval_rewards(config, s, s.trained_policy(state), eval_recs, reward)
+  after = eval_rewards(config, s, s.trained_params(state), eval_recs, reward)
   out = dict(paired(before, after), seconds=time.time() - t0, rollout_reward=history, after_rewards=after)
   logging.info("%s / %s%s: %.4f -> %.4f (z %+.1f, %.0f s)", reward, config.variant,
                " (shuffled)" if config.rl.shuffle_advantages else "", out["before"], out["after"], out["z"],

@@ -18,7 +18,7 @@ from flax import nnx
 
 from margrpo_jax.models import families, precision
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
-from margrpo_jax.rl import config as rl_config, step as step_lib
+from margrpo_jax.rl import config as rl_config, lora as lora_lib, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 GIB = 2.0 ** 30
@@ -82,8 +82,9 @@ def plan(config, emit=lambda line: None) -> list[str]:
   params = _abstract(params, sharding.param_shardings(mesh, params, rules))
   rl_config.resolve_fidelity(config)
   static = rl_config.step_config(config, config.model)
-  policy = {k: params[k] for k in static.trainable}
-  frozen = {k: v for k, v in params.items() if k not in static.trainable}
+  policy, frozen = lora_lib.split(params, static.trainable, static.lora, jax.random.key(0))  # LoRA: adapters, base
+  policy = _abstract(policy, sharding.param_shardings(mesh, policy, rules))
+  ref = {} if static.lora.rank else policy  # LoRA: the reference is the base (adapters off)
   batch = config.rl.group_size * config.rl.prompts_per_iter
   divisor = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch % divisor:
@@ -103,11 +104,11 @@ def plan(config, emit=lambda line: None) -> list[str]:
     final, rec = jax.eval_shape(rollout, params, ids, key)
     tx, step = step_lib.compiled_step(g, static, mesh, rules, (sharding.signature(policy), sharding.signature(frozen)))
     sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, len(ids_shape), ema=bool(static.ema_decay),
-                                 records=static.reads_chains)["in_shardings"]
+                                 records=static.reads_chains, lora=bool(static.lora.rank))["in_shardings"]
     state = dict(step=jax.ShapeDtypeStruct((), jnp.int32), policy=policy, opt=jax.eval_shape(tx.init, policy))
     if static.ema_decay:
       state["ema"] = policy
-    args = (state, frozen, policy, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
+    args = (state, frozen, ref, ids, jax.ShapeDtypeStruct((batch,), jnp.float32), rec, final, key)
     lines += _memory_lines(f"rl_step{tag}", step.lower(*_abstract(args, sh)).compile())
   return list(lines)
 

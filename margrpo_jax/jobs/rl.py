@@ -39,7 +39,8 @@ from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import advantages, config as rl_config, estimators, prompts as rl_prompts, step as step_lib
+from margrpo_jax.rl import (advantages, config as rl_config, estimators, lora as lora_lib, prompts as rl_prompts,
+                            step as step_lib)
 from margrpo_jax.sampling import sampler as sampler_lib
 
 
@@ -79,7 +80,9 @@ def _evaluate(graphdef, params, model_cfg, config, recs, mesh=None):
 @dataclasses.dataclass
 class Setup:
   """Everything static about an RL run: the base model split into the trained ``policy`` and the ``frozen``
-  rest, the frozen reference, the optimizer, the jitted update ``step_fn`` and the recording ``rollout_fn``."""
+  rest, the frozen reference, the optimizer, the jitted update ``step_fn`` and the recording ``rollout_fn``.
+  With LoRA (``rl.lora.rank > 0``, ``rl/lora.py``) ``policy`` is the initial adapter tree, ``frozen`` the whole
+  base and ``ref`` the empty tree (the base: adapters off)."""
   model_cfg: ml_collections.ConfigDict
   graphdef: object
   params: dict
@@ -101,15 +104,28 @@ class Setup:
       state["ema"] = jax.tree.map(jnp.copy, self.policy)
     return jax.device_put(state, self.state_shardings)
 
+  @property
+  def base_policy(self) -> dict:
+    """The base's trained components theta_0 as full weights (rank 0: :attr:`policy` itself)."""
+    return {k: self.params[k] for k in self.static.trainable}
+
+  def model_params(self, policy: dict) -> dict:
+    """The model's parameters with ``policy`` (the state's, its EMA, or :attr:`ref`): :func:`lora.assemble`."""
+    return lora_lib.assemble(self.frozen, policy, self.static.lora)
+
   def trained_policy(self, state: dict) -> dict:
-    """The fine-tuned policy theta (its EMA when ``rl.ema_decay``, else the last iterate), moved only the fraction
-    a = ``rl.export_interpolation`` of the way from the base theta_0: theta_0 + a (theta - theta_0) (WiSE-FT
-    weight interpolation; a = 1 is theta itself). What the job evaluates and exports."""
+    """The fine-tuned components theta as full weights (from the EMA when ``rl.ema_decay``, else the last iterate;
+    with LoRA the adapters merged into the base), moved only the fraction a = ``rl.export_interpolation`` of the
+    way from the base theta_0: theta_0 + a (theta - theta_0) (WiSE-FT weight interpolation; a = 1 is theta itself;
+    with LoRA the merge at scale a alpha / r, the merged weights interpolated). What the job evaluates and exports."""
     theta, a = state["ema" if self.static.ema_decay else "policy"], self.static.export_interpolation
+    if self.static.lora.rank:
+      return lora_lib.merge(self.base_policy, theta, a * self.static.lora.scale)
     return theta if a == 1.0 else jax.tree.map(lambda t, b: b + a * (t - b), theta, self.policy)
 
   def trained_params(self, state: dict) -> dict:
-    """The fine-tuned model's parameters: the frozen parts with :meth:`trained_policy`."""
+    """The fine-tuned model's parameters (the base's tree, ordinary weights): the frozen parts with
+    :meth:`trained_policy`."""
     return {**self.frozen, **self.trained_policy(state)}
 
 
@@ -143,8 +159,8 @@ def setup(config, params_override=None, workdir: str | None = None) -> Setup:
   rules = sharding.hashable_rules(config.parallel.rules)
   static = rl_config.step_config(config, model_cfg)  # with the base's own fields
   params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
-  policy = {k: params[k] for k in static.trainable}
-  frozen = {k: v for k, v in params.items() if k not in static.trainable}
+  lora_key = rng.stream(jax.random.key(config.seed), "lora")  # LoRA: A's draws
+  policy, frozen = lora_lib.split(params, static.trainable, static.lora, lora_key)
   sigs = (sharding.signature(policy), sharding.signature(frozen))
   tx, step_fn = step_lib.compiled_step(graphdef, static, mesh, rules, sigs)
   diff = step_lib.make_chain(static)  # the Gaussian head's respaced diffusion, or NOVA's flow SDE
@@ -152,14 +168,17 @@ def setup(config, params_override=None, workdir: str | None = None) -> Setup:
                                           rules=rules, params=params, ids_ndim=static.ids_ndim)
   state_sh = step_lib.step_shardings(mesh, rules, tx, policy, frozen, static.ids_ndim,
                                      ema=bool(static.ema_decay))["out_shardings"][0]
-  ref = jax.device_put(jax.tree.map(jnp.copy, policy), state_sh["policy"])  # frozen copy, never donated
+  policy = jax.device_put(policy, state_sh["policy"])  # LoRA: the new adapters placed (the rest already are)
+  # the reference: with LoRA the base itself (no adapters, no copy); else a frozen copy, never donated
+  ref = {} if static.lora.rank else jax.device_put(jax.tree.map(jnp.copy, policy), state_sh["policy"])
   return Setup(model_cfg, graphdef, params, policy, frozen, ref, tx, step_fn, rollout_fn, diff, static, mesh,
                state_sh)
 
 
 def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> dict:
   """Iteration ``it``'s rollout: ``prompts_per_iter`` train prompts x ``group_size`` images, recorded, decoded
-  and rewarded. Everything is a function of ``(config.seed, it)``."""
+  and rewarded, sampled from the model with ``policy`` (:meth:`Setup.model_params`: with LoRA the adapters merged
+  into the base, ``s.ref`` the base). Everything is a function of ``(config.seed, it)``."""
   g, p = config.rl.group_size, config.rl.prompts_per_iter
   r = np.random.default_rng([config.seed, it])
   recs = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
@@ -168,7 +187,7 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   local = np.asarray(family.prompt_ids(s.model_cfg, prompts[sharding.host_rows(len(recs))]))
   ids = sharding.to_global(local, sharding.batch_sharding(s.mesh, local.ndim))  # each host: its share of prompts
   key = jax.random.fold_in(jax.random.key(config.seed), it)
-  final, rec = s.rollout_fn({**s.frozen, **policy}, ids, rng.stream(key, "rollout"))
+  final, rec = s.rollout_fn(s.model_params(policy), ids, rng.stream(key, "rollout"))
   images = np.asarray(family.decode_images(s.model_cfg, sharding.to_host(final)))
   shapes_task = verifiable(s.model_cfg, recs)  # else the zero-weight verifier rewards are not even logged
   weights = {k: v for k, v in config.rl.rewards.items() if v or shapes_task or k not in registry.NEEDS_SHAPES}

@@ -1,7 +1,8 @@
 """Logical axes of every parameter, their mapping onto the mesh, and the shardings of states and batches.
 
 Each parameter gets logical axes from :data:`PARAM_AXES` (first regex matching its ``component/.../name``
-path); ``parallel.rules`` maps logical axes to mesh axes (:data:`.mesh.DEFAULT_RULES`: ``embed -> fsdp``,
+path; a LoRA factor ``.../kernel/lora_a`` (in, r) takes its kernel's input axis, ``lora_b`` (r, out) its output
+axis); ``parallel.rules`` maps logical axes to mesh axes (:data:`.mesh.DEFAULT_RULES`: ``embed -> fsdp``,
 ``mlp -> tensor``). A dimension whose size the mesh axes do not divide stays replicated, so tiny models run
 on any mesh. The frozen diffusion head (and anything else outside ``sharded``) is replicated.
 Optimizer state is sharded like its parameters (``optax.tree_map_params``); batches are split over
@@ -18,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from margrpo_jax.parallel.mesh import BATCH_AXES
+from margrpo_jax.rl import lora
 
 # (regex over "component/.../name", logical axes per dimension); first match wins
 PARAM_AXES = (
@@ -48,6 +50,10 @@ def logical_axes(path: str, ndim: int) -> tuple:
   """The logical axes of parameter ``path``; replicated for :data:`REPLICATED_COMPONENTS`."""
   if path.split("/")[0] in REPLICATED_COMPONENTS:
     return (None,) * ndim
+  kernel, _, factor = path.rpartition("/")
+  if factor in lora.FACTORS:  # A (in, r) and B (r, out) of an adapted 2-D kernel
+    d_in, d_out = logical_axes(kernel, 2)
+    return (d_in, None) if factor == lora.FACTORS[0] else (None, d_out)
   for pattern, axes in PARAM_AXES:
     if re.search(pattern, path):
       if len(axes) != ndim:

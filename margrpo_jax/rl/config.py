@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax import nnx
+
 from margrpo_jax import config_files
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import batch as batch_lib, estimators, loss as loss_lib, step as step_lib
+from margrpo_jax.rl import batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib, step as step_lib
 from margrpo_jax.rl.estimators import forward as forward_lib
 from margrpo_jax.sampling import sampler as sampler_lib, schedule as schedule_lib
 
@@ -174,6 +176,10 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     objective.validate(masked)
   except ValueError as e:
     raise config_files.ConfigError(f"rl.mar_objective: {e}") from None
+  try:
+    lora_cfg = lora_lib.parse(rl.lora.rank, rl.lora.alpha, rl.lora.targets)
+  except ValueError as e:
+    raise config_files.ConfigError(str(e)) from None
   fcfg = forward_lib.ForwardConfig(objective=masked, beta=float(rl.beta), anchor=rl.anchor,
                                    nft_strength=float(rl.nft_strength), rows=int(rows),
                                    draws=int(rl.elbo_draws))
@@ -182,7 +188,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                            sequential=rl.sequential_updates,
                            estimator=rl.estimator, forward=fcfg,
                            ema_decay=float(rl.ema_decay), export_interpolation=float(rl.export_interpolation),
-                           respacing=str(config.sampling.diffusion_steps),
+                           lora=lora_cfg, respacing=str(config.sampling.diffusion_steps),
                            optim=config.optim.to_json(sort_keys=True),
                            total_steps=config.num_iters * rl.num_inner * rl.num_minibatches,
                            flow=(noise, float(config.sampling.get("flow_shift", 1.0))) if is_flow else None)
@@ -190,6 +196,12 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     return sc
   family = families.get(model_cfg.family)
   trainable = family.policy_components + (("head",) if rl.train_head else ())
+  if lora_cfg.rank:  # every regex must match a 2-D parameter of the trained components (abstract shapes)
+    params = nnx.to_pure_dict(nnx.state(families.abstract(model_cfg)))
+    try:
+      lora_lib.targets({k: params[k] for k in trainable}, lora_cfg.targets)
+    except ValueError as e:
+      raise config_files.ConfigError(str(e)) from None
   pixel = int(model_cfg.get("latent_channels", 0))  # NOVA's tokens are 2 x 2 patches of 4-channel pixels
   return dataclasses.replace(sc, num_train_steps=int(model_cfg.diffusion.num_train_steps), trainable=trainable,
                              ids_ndim=family.condition_ndim,

@@ -20,7 +20,9 @@ exported and evaluated).
 
 The trained ``policy`` lives in the donated ``state = {step, policy, opt}``; ``frozen`` (the diffusion head unless
 it is trained, the tokenizer-side parts) and ``ref`` (the frozen reference policy) are plain arguments that no
-optimizer ever sees. Everything static is one hashable :class:`StepConfig`.
+optimizer ever sees. With LoRA (``sc.lora.rank > 0``, ``rl/lora.py``) the policy is the adapter tree, ``frozen``
+every base weight and ``ref`` the empty tree (the base: adapters off); the model is always
+``lora.assemble(frozen, policy)``. Everything static is one hashable :class:`StepConfig`.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from flax import nnx
 from margrpo_jax import optim
 from margrpo_jax.diffusion import flow, gaussian
 from margrpo_jax.parallel import sharding
-from margrpo_jax.rl import batch as batch_lib, estimators, loss as loss_lib
+from margrpo_jax.rl import batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib
 from margrpo_jax.rl.estimators import forward as forward_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
@@ -57,6 +59,7 @@ class StepConfig:
   forward: forward_lib.ForwardConfig = forward_lib.ForwardConfig()  # the forward-process estimators' settings
   ema_decay: float = 0.0       # > 0: an EMA of the policy in the state (exported and evaluated)
   export_interpolation: float = 1.0  # a in (0, 1]: export and evaluate theta_0 + a (theta - theta_0) (WiSE-FT)
+  lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # rank > 0: the policy is LoRA adapters over the frozen base
   respacing: str = "25"        # the rollout's diffusion steps (a respacing of num_train_steps)
   optim: str = "{}"            # config.optim as JSON (hashable)
   total_steps: int = 1         # optimizer steps over the run (the learning-rate schedule's length)
@@ -81,8 +84,8 @@ def make_chain(sc: StepConfig):
 
 def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, rec, final, key):
   """The gradient-free half of an update: ``(TrainBatch, info)`` (MTE chains, selection, reference)."""
-  model = nnx.merge(graphdef, {**frozen, **policy})
-  ref_model = nnx.merge(graphdef, {**frozen, **ref})
+  model = nnx.merge(graphdef, lora_lib.assemble(frozen, policy, sc.lora))
+  ref_model = nnx.merge(graphdef, lora_lib.assemble(frozen, ref, sc.lora))
   return batch_lib.build(model, ref_model, diff, sc.sampler, sc.batch, sc.loss, rec, final, ids, adv, key)
 
 
@@ -112,7 +115,8 @@ def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.Tr
 
     def chunk(p, c):
       part = sub if parts == 1 else sub.microbatch(c, parts)
-      return loss_lib.loss_fn(nnx.merge(graphdef, {**frozen, **p}), diff, sc.loss, part, steps, norm)
+      return loss_lib.loss_fn(nnx.merge(graphdef, lora_lib.assemble(frozen, p, sc.lora)), diff, sc.loss, part, steps,
+                              norm)
     (loss, m), grads = accumulate(chunk, state["policy"], parts)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)
@@ -153,6 +157,10 @@ class Context:
   train_diff: object
   frozen: dict
   anchors: dict
+
+  def params(self, policy: dict) -> dict:
+    """The model's parameters with ``policy`` (the trained one, or an anchor): :func:`lora.assemble`."""
+    return lora_lib.assemble(self.frozen, policy, self.sc.lora)
 
 
 def heaviest_rows(fc: forward_lib.ForwardConfig, ids, adv, tokens):
@@ -231,17 +239,18 @@ def _ema(sc: StepConfig, state):
 
 
 def step_shardings(mesh, rules, tx, policy, frozen, ids_ndim: int = 2, ema: bool = False,
-                   records: bool = True) -> dict:
+                   records: bool = True, lora: bool = False) -> dict:
   """``in_shardings`` / ``out_shardings`` of :func:`rl_step` on ``mesh``: policy, reference and optimizer
-  state sharded by ``rules``, the frozen parts by theirs (the head replicated), batches over the batch axes;
-  ``records``: the step reads a rollout record (else that argument is None)."""
+  state sharded by ``rules`` (LoRA adapters like their kernels, the reference then the empty tree), the frozen
+  parts by theirs (the head replicated), batches over the batch axes; ``records``: the step reads a rollout
+  record (else that argument is None)."""
   p = sharding.param_shardings(mesh, policy, rules)
   rep = sharding.replicated(mesh)
   state = dict(step=rep, policy=p, opt=sharding.opt_shardings(mesh, tx, policy, p))
   if ema:
     state["ema"] = p
   b = functools.partial(sharding.batch_sharding, mesh)
-  ins = (state, sharding.param_shardings(mesh, frozen, rules), p, b(ids_ndim), b(1),
+  ins = (state, sharding.param_shardings(mesh, frozen, rules), {} if lora else p, b(ids_ndim), b(1),
          sampler_lib.Record.shardings(mesh) if records else None, b(3), rep)
   return dict(in_shardings=ins, out_shardings=(state, rep))
 
@@ -258,4 +267,5 @@ def compiled_step(graphdef, sc: StepConfig, mesh=None, rules=None, sigs=None):
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)
   return tx, jax.jit(fn, donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim,
-                                                            ema=bool(sc.ema_decay), records=sc.reads_chains))
+                                                            ema=bool(sc.ema_decay), records=sc.reads_chains,
+                                                            lora=bool(sc.lora.rank)))

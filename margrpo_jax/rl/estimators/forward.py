@@ -96,11 +96,11 @@ def weighted_elbo(ctx, params, block, d: Draws, anchor: str | None):
   """``(loss, metrics)``: ``mean_i A_i l_i + beta mean_i 1/2 |eps_theta - eps_anchor|^2_i`` on ``block`` at the
   draws ``d`` (the anchor term only when ``anchor`` names one of ``ctx.anchors``)."""
   fc = ctx.sc.forward
-  out = head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens, d)
+  out = head_out(ctx.graphdef, ctx.params(params), block.ids, block.tokens, d)
   l_i = per_image(gaussian.training_loss(ctx.train_diff, out, block.tokens, d.x_t, d.t, d.noise), d)
   policy = -jnp.mean(block.adv * l_i)
   kl = jnp.zeros(())
   if anchor is not None:
-    eps_a = eps_of(ctx.graphdef, {**ctx.frozen, **ctx.anchors[anchor]}, block.ids, block.tokens, d)
+    eps_a = eps_of(ctx.graphdef, ctx.params(ctx.anchors[anchor]), block.ids, block.tokens, d)
     kl = jnp.mean(per_image(0.5 * jnp.mean((gaussian.split_output(out)[0] - eps_a) ** 2, -1), d))
   return -(policy - fc.beta * kl), dict(policy=policy, kl=kl, mar_loss=jnp.mean(l_i))

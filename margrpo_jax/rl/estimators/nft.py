@@ -28,9 +28,8 @@ def loss(ctx, params, block, d):
   """``(loss, metrics)`` of one optimizer step on ``block`` (ids, adv, tokens) at the draws ``d``."""
   fc = ctx.sc.forward
   s = fc.nft_strength
-  eps = gaussian.split_output(forward.head_out(ctx.graphdef, {**ctx.frozen, **params}, block.ids, block.tokens,
-                                               d))[0]
-  eps_old = forward.eps_of(ctx.graphdef, {**ctx.frozen, **ctx.anchors[fc.anchor]}, block.ids, block.tokens, d)
+  eps = gaussian.split_output(forward.head_out(ctx.graphdef, ctx.params(params), block.ids, block.tokens, d))[0]
+  eps_old = forward.eps_of(ctx.graphdef, ctx.params(ctx.anchors[fc.anchor]), block.ids, block.tokens, d)
   r = (0.5 + 0.5 * jnp.clip(block.adv, -1.0, 1.0))[None, :, None]
   pos = jnp.mean(((1.0 - s) * eps_old + s * eps - d.noise) ** 2, -1)
   neg = jnp.mean(((1.0 + s) * eps_old - s * eps - d.noise) ** 2, -1)

@@ -97,12 +97,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       rollout_policy="policy",    # the rollouts' sampler: 'policy' (on-policy, the current iterate) | 'base' (the
                                   # frozen base every iteration: rejection-sampling fine-tuning toward the base's
                                   # passing images, no self-training loop; docs/estimators.md)
-      rollout_cfg_scale=0.0,
+      rollout_cfg_scale=0.0,      # > 0: the rollouts' guidance scale (else sampling.cfg_scale, which the job's own
+                                  # eval and every reading of the export use)
       rollout_temperature=0.0,    # > 0: the rollouts' diffusion-noise temperature (else sampling.temperature, which the
                                   # job's own eval and every reading of the export use)
       flow_noise_level=0.7,       # a flow head (NOVA): the rollouts' SDE noise level in (0, 1] (Flow-GRPO; 0 would be
-                                  # NOVA's deterministic ODE, which has no log-prob)      # > 0: the rollouts' guidance scale (else sampling.cfg_scale, which the job's own
-                                  # eval and every reading of the export use)
+                                  # NOVA's deterministic ODE, which has no log-prob)
       pretrain_mix=0.0,           # image_elbo / awm / nft on the shapes world: > 0 adds a quarter-batch of freshly
                                   # rendered train images, each weighted like an advantage of this value (PPO-ptx:
                                   # MAR's pretraining loss against self-training drift, docs/estimators.md)

@@ -290,8 +290,8 @@ def test_per_pixel_uncertainty_mixes_the_mte_estimate_per_element(rollout):
 @pytest.mark.slow
 def test_bfloat16_compute_agrees_with_float32(rollout):
   """``rl.compute_dtype='bfloat16'`` (models/precision.py): the same batch scored by the bfloat16 graph gives the
-  float32 loss within 2e-2 (relative), log-probs within 5e-2 nats of the rollout's, a gradient of cosine > 0.99,
-  in float32; and it does compute in bfloat16 (its bf16 dot products appear in the program)."""
+  float32 loss within 2e-2 (relative, floor 1e-2), log-probs within 5e-2 nats of the rollout's, a gradient of
+  cosine > 0.99, in float32; and it does compute in bfloat16 (its bf16 dot products appear in the program)."""
   from margrpo_jax.models import precision
   graphdef, params, build = rollout
   batch, _ = build(batch_lib.BatchConfig(num_ar_steps=2, num_diffusion_steps=3, mte_seeds=2), params)
@@ -304,7 +304,9 @@ def test_bfloat16_compute_agrees_with_float32(rollout):
   ((l32, m32), g32), _ = loss_and_grad(graphdef)
   ((l16, m16), g16), jaxpr = loss_and_grad(bf16)
   assert "bf16" in str(jaxpr) and all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))
-  assert abs(float(l16) - float(l32)) <= 2e-2 * max(abs(float(l32)), 1e-3), (float(l16), float(l32))
+  # the loss sums O(1) advantages of zero mean per group, so it cancels to a few 1e-3: its error is relative to a
+  # floor of 1e-2 (the log-probs and the gradient below carry the strict checks)
+  assert abs(float(l16) - float(l32)) <= 2e-2 * max(abs(float(l32)), 1e-2), (float(l16), float(l32))
   assert float(m16["logp_diff"]) < 5e-2, float(m16["logp_diff"])
   a, b = (jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)]) for g in (g32, g16))
   assert float(a @ b / (jnp.linalg.norm(a) * jnp.linalg.norm(b))) > 0.99

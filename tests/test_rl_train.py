@@ -246,8 +246,10 @@ def test_image_elbo_step_is_the_advantage_weighted_elbo_gradient_and_exports_the
   s2 = rl_job.setup(config)
   train = rl_prompts.from_metadata(shapes.split_records("train", num_train=64))
   state2, m2, _ = rl_job.iteration(config, s2, s2.init_state(), train, 0)
-  assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6, rtol=1e-4), state2["policy"],
-                                   state["policy"]))
+  # compared on the optimizer's moments (mu = (1 - b1) g, nu = (1 - b2) g^2), i.e. the gradient: Adam's first step
+  # turns float noise in a zero gradient (the key bias, which softmax ignores) into +-lr, so the parameters are not
+  got, want = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(o["opt"])]) for o in (state2, state))
+  np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * np.abs(want).max())
   np.testing.assert_allclose(m2["loss"], m["loss"], rtol=1e-4, atol=1e-7)
 
 

@@ -146,3 +146,17 @@ def test_rank_zero_is_full_fine_tuning_as_before(one_update):
   assert _same(s.ref, s.policy) and not same_arrays(s.ref, s.policy)  # the reference: a frozen copy
   assert lora.assemble(s.frozen, s.policy, s.static.lora) == {**s.frozen, **s.policy}
   assert s.trained_policy(state) is state["policy"] and not _same(state["policy"], s.policy)
+
+
+@pytest.mark.slow  # shares the compiles of the tests above
+def test_rollouts_from_the_base_ignore_the_trained_policy(one_update):
+  """``rl.rollout_policy='base'``: after an update the iteration's rollout is the base's (``s.ref``), not the
+  trained policy's, at rank 0 and with LoRA alike."""
+  recs = rl_prompts.from_metadata(shapes.split_records("train", num_train=64))
+  for rank in (0, RANK):
+    s, state = one_update[rank]["s"], one_update[rank]["state"]
+    c = _config(rank)
+    c.rl.rollout_policy = "base"
+    _, _, ro = rl_job.iteration(c, s, jax.tree.map(np.array, state), recs, 1)  # a copy: the step donates its state
+    base, own = (rl_job.rollout(c, s, p, recs, 1)["final"] for p in (s.ref, state["policy"]))
+    assert _same(ro["final"], base) and not _same(ro["final"], own), rank

@@ -75,7 +75,7 @@ def targets(params, patterns) -> tuple[str, ...]:
   for p in patterns:
     if not any(re.search(p, path) for path in paths):
       raise ValueError(f"rl.lora.targets={','.join(patterns)!r}: {p!r} matches no 2-D parameter of "
-                                     f"the trained components {', '.join(sorted(params))}")
+                       f"the trained components {', '.join(sorted(params))}")
   return tuple(path for path in paths if any(re.search(p, path) for p in patterns))
 
 

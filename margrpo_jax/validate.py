@@ -48,7 +48,7 @@ AT_LEAST = {
     "sampling.num_steps": 1, "optim.warmup_steps": 0, "mar.diffusion_batch_mul": 1,
     "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.microbatch": 0,
     "rl.mte_seeds": 0, "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1,
-    "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.lora.rank": 0,
+    "rl.elbo_rows": 0, "rl.elbo_draws": 1,
     "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
     "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1, "parallel.init_timeout_s": 1,
 }
@@ -70,7 +70,6 @@ IN_RANGE = {
     "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
     "rl.rollout_temperature": (0, INF, True, False),
     "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
-    "rl.lora.alpha": (0, INF, True, False),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
 OPTIONS = {

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+DECAYS = ("constant", "cosine")  # optim.decay: after the warm-up, lr held or cosine-decayed to final_lr_frac lr
+
 
 def lr_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   warm = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
@@ -19,7 +21,7 @@ def lr_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Sched
   elif cfg.decay == "cosine":
     after = optax.cosine_decay_schedule(cfg.lr, max(total_steps - cfg.warmup_steps, 1), alpha=cfg.final_lr_frac)
   else:
-    raise ValueError(f"optim.decay={cfg.decay!r} is not one of 'constant', 'cosine'")
+    raise ValueError(f"optim.decay={cfg.decay!r} is not one of {', '.join(DECAYS)}")
   return optax.join_schedules([warm, after], [cfg.warmup_steps])
 
 

@@ -26,14 +26,14 @@ import os
 import jax
 from absl import logging
 
-from margrpo_jax import checkpoint, config_files, fileio, generate
+from margrpo_jax import checkpoint, config_files, fileio, generate, optim
 from margrpo_jax.data import prompt_files, shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import families, objective, random_instance
+from margrpo_jax.models import families, objective, precision, random_instance
 from margrpo_jax.parallel import mesh as mesh_lib
 from margrpo_jax.rewards import clip_rewards, registry
 from margrpo_jax.rl import config as rl_config, estimators, lora, prompts as rl_prompts
-from margrpo_jax.sampling import sampler
+from margrpo_jax.sampling import sampler, schedule
 from margrpo_jax.config_files import ConfigError
 
 INF = math.inf
@@ -45,10 +45,7 @@ AT_LEAST = {
     "eval.num_images": 1,
     "save.every": 1, "save.keep": 1, "checkpoint.every": 1, "checkpoint.keep": 1, "grid_size": 0,
     "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1,
-    "sampling.num_steps": 1, "optim.warmup_steps": 0, "mar.diffusion_batch_mul": 1,
-    "rl.group_size": 2, "rl.prompts_per_iter": 1, "rl.num_inner": 1, "rl.num_minibatches": 1, "rl.microbatch": 0,
-    "rl.mte_seeds": 0, "rl.num_ar_steps": 0, "rl.num_diffusion_steps": 0, "rl.mar_objective.diffusion_batch_mul": 1,
-    "rl.elbo_rows": 0, "rl.elbo_draws": 1,
+    "sampling.num_steps": 1, "optim.warmup_steps": 0,
     "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
     "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1, "parallel.init_timeout_s": 1,
 }
@@ -60,23 +57,19 @@ IN_RANGE = {
     "optim.eps": (0, INF, False, False), "optim.weight_decay": (0, INF, True, False),
     "optim.grad_clip": (0, INF, False, False), "optim.final_lr_frac": (0, 1, True, True),
     "ema_decay": (0, 1, True, False), "beta": (0, INF, True, False),
-    "mar.label_drop": (0, 1, True, False), "mar.mask_ratio_min": (0, 1, True, True),
-    "mar.mask_ratio_std": (0, INF, True, False),
     "sampling.cfg_scale": (0, INF, True, False), "sampling.temperature": (0, INF, False, False),
     "sampling.clip_denoised": (0, INF, True, False), "sampling.flow_noise_level": (0, INF, True, False),
-    "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.topk_fraction": (0, 1, True, True),
-    "rl.ema_decay": (0, 1, True, False),
-    "rl.mar_objective.label_drop": (0, 1, True, False), "rl.adv_clip": (0, INF, True, False),
+    "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.adv_clip": (0, INF, True, False),
     "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
     "rl.rollout_temperature": (0, INF, True, False),
     "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
     "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
 }
+# key -> its choices, each the table of the code that dispatches on it (rl.* options: rl/config.py's step_config)
 OPTIONS = {
-    "optim.decay": ("constant", "cosine"), "sampling.cfg_schedule": ("linear", "constant"),
-    "export.dtype": ("float32", "bfloat16"), "mar.mask_ratio": objective.MASK_RATIOS,
-    "rl.mar_objective.mask_ratio": objective.MASK_RATIOS, "rl.compute_dtype": ("float32", "bfloat16"),
-    "init": ("", "random"), "sampling.mask_schedule": tuple(sampler.MASK_SCHEDULES),
+    "optim.decay": optim.DECAYS, "sampling.cfg_schedule": schedule.CFG_SCHEDULES,
+    "export.dtype": precision.DTYPES, "rl.compute_dtype": precision.DTYPES,
+    "init": random_instance.INITS, "sampling.mask_schedule": sampler.MASK_SCHEDULES,
 }
 # keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
 SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
@@ -134,6 +127,11 @@ def check_values(config) -> None:
     present, v = _has(config, key)
     if present and v not in allowed:
       raise ConfigError(f"{key}={v!r} is not one of {', '.join(allowed)}")
+  if _has(config, "mar.mask_ratio")[0]:  # pretraining's masked objective: its keys checked by their owner
+    try:
+      objective.validate(objective.MaskedObjective.from_config(config.mar))
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   present, steps = _has(config, "sampling.diffusion_steps")
   if present:
     try:

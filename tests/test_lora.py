@@ -69,7 +69,8 @@ def test_adapter_shardings_follow_their_kernels():
 def test_bad_lora_options_are_one_sentence_naming_the_key(small_model):
   model_cfg = small_model[0]
   for key, value, match in [("rank", -1, r"rl\.lora\.rank=-1 must be >= 0"),
-                            ("alpha", -2.0, r"rl\.lora\.alpha=-2\.0 must be >= 0"),
+                            ("alpha", -2.0, r"rl\.lora\.alpha=-2\.0 must be a finite number >= 0"),
+                            ("alpha", float("inf"), r"rl\.lora\.alpha=inf must be"),
                             ("targets", "attn/(qkv", r"rl\.lora\.targets='attn/\(qkv': .* not a regular expression"),
                             ("targets", "qkv/kernel$,nothing_like_this", r"rl\.lora\.targets=.*'nothing_like_this' "
                                                                           r"matches no 2-D parameter"),

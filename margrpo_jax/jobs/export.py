@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import os
 
-import jax.numpy as jnp
-
 from margrpo_jax import checkpoint
 from margrpo_jax.jobs import pretrain, rl as rl_job
-
-DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+from margrpo_jax.models.precision import DTYPES
 
 
 def run(config, workdir: str) -> str:

@@ -37,12 +37,17 @@ class MaskedObjective:
     return cls(**{f.name: c[f.name] for f in dataclasses.fields(cls) if f.name in c})
 
 
-def validate(obj: MaskedObjective) -> None:
+def validate(obj: MaskedObjective, prefix: str = "mar.") -> None:
+  """``ValueError`` naming ``prefix + field`` for a law not in :data:`MASK_RATIOS` or a value out of its range
+  (the one check of these keys: validate.py calls it on ``mar``, rl/config.py on ``rl.mar_objective``)."""
   if obj.mask_ratio not in MASK_RATIOS:
-    raise ValueError(f"mask_ratio={obj.mask_ratio!r} is not one of {', '.join(MASK_RATIOS)}")
-  if obj.diffusion_batch_mul < 1 or not 0.0 <= obj.label_drop <= 1.0:
-    raise ValueError(f"diffusion_batch_mul={obj.diffusion_batch_mul} must be >= 1 and label_drop="
-                     f"{obj.label_drop} lie in [0, 1]")
+    raise ValueError(f"{prefix}mask_ratio={obj.mask_ratio!r} is not one of {', '.join(MASK_RATIOS)}")
+  for name, ok, span in (("mask_ratio_min", 0.0 <= obj.mask_ratio_min <= 1.0, "a number in [0, 1]"),
+                         ("mask_ratio_std", 0.0 <= obj.mask_ratio_std < float("inf"), "a finite number >= 0"),
+                         ("diffusion_batch_mul", obj.diffusion_batch_mul >= 1, "at least 1"),
+                         ("label_drop", 0.0 <= obj.label_drop < 1.0, "a number in [0, 1) (1: never conditioned)")):
+    if not ok:
+      raise ValueError(f"{prefix}{name}={getattr(obj, name)} must be {span}")
 
 
 def sample_mask(obj: MaskedObjective, b: int, seq_len: int, key: jax.Array) -> jax.Array:

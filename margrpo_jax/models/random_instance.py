@@ -25,6 +25,7 @@ from margrpo_jax import fileio
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen's chat tokens (Phi-2 ignores them)
 FAMILIES = ("mar", "harmon", "nova")
+INITS = ("", "random")  # config.init: '' = the checkpoint (or the shipped base) | 'random': materialize() here
 
 
 def tiny_config(family: str) -> ml_collections.ConfigDict:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from margrpo_jax import rng
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.rl import selection
-from margrpo_jax.rl.loss import LossConfig, TrainBatch
+from margrpo_jax.rl.loss import LossConfig, TrainBatch, check_options
 from margrpo_jax.sampling import sampler as sampler_lib
 
 
@@ -87,9 +87,7 @@ def window_positions(window: tuple[int, int | None], num_steps: int) -> tuple[in
 
 def validate(bcfg: BatchConfig, num_steps: int) -> None:
   """Raise ``ValueError`` with one sentence for an impossible option string, window or combination."""
-  for name, allowed in OPTIONS.items():
-    if getattr(bcfg, name) not in allowed:
-      raise ValueError(f"rl.{name}={getattr(bcfg, name)!r} is not one of {', '.join(allowed)}")
+  check_options(bcfg, OPTIONS)
   lo, hi = window_positions(bcfg.diffusion_window, num_steps)
   if bcfg.num_diffusion_steps < 0 or bcfg.num_diffusion_steps > hi - lo:
     raise ValueError(f"rl.num_diffusion_steps={bcfg.num_diffusion_steps} does not fit the scored-step window "

@@ -16,7 +16,8 @@ from margrpo_jax import config_files
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib, step as step_lib
+from margrpo_jax.rl import (advantages, batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib,
+                            step as step_lib)
 from margrpo_jax.rl.estimators import forward as forward_lib
 from margrpo_jax.sampling import sampler as sampler_lib, schedule as schedule_lib
 
@@ -33,10 +34,12 @@ def parse_window(window: str) -> tuple[int, int | None]:
                                    "diffusion chain, Python slice bounds, e.g. '1:-3' or ':')") from None
 
 
-LOSS_OPTIONS = dict(fidelity=("intended", "official"), ratio=("rollout", "none"), kl=("gaussian", "official"),
-                    channel_reduction=("sum", "mean"), advantage=("grpo", "drgrpo", "rloo"),
-                    mte_actual=("keep", "include", "replace"), reward_norm=registry.NORMALIZE,
-                    estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=("policy", "base"))
+FIDELITIES = ("intended", "official")   # rl.fidelity: resolved here (resolve_fidelity)
+ROLLOUT_POLICIES = ("policy", "base")   # rl.rollout_policy: the rollouts' sampler (jobs/rl.py's iteration)
+# The rl.* option strings read outside the step's dataclasses, each tuple owned by the code that dispatches on it;
+# the dataclasses' own (rl/loss.py's and rl/batch.py's OPTIONS) are checked when step_config builds them.
+OPTIONS = dict(fidelity=FIDELITIES, advantage=advantages.KINDS, reward_norm=registry.NORMALIZE,
+               estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=ROLLOUT_POLICIES)
 
 # rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14)
 OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,
@@ -61,6 +64,8 @@ def resolve_fidelity(config) -> list[str]:
   """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` (in place), except the switches
   named in ``rl.official_except`` (comma-separated; they keep their configured value); returns the ``key=value``
   assignments that changed something."""
+  if config.rl.fidelity not in FIDELITIES:
+    raise config_files.ConfigError(f"rl.fidelity={config.rl.fidelity!r} is not one of {', '.join(FIDELITIES)}")
   if config.rl.fidelity != "official":
     if str(config.rl.official_except).strip():
       raise config_files.ConfigError(f"rl.official_except={config.rl.official_except!r} only applies with "
@@ -73,6 +78,10 @@ def resolve_fidelity(config) -> list[str]:
       raise config_files.ConfigError(f"rl.official_except names {k!r}, not a switch of rl.fidelity='official' "
                                      f"(switches: {', '.join(official)})")
     del official[k]
+  choices = {**loss_lib.OPTIONS, **batch_lib.OPTIONS}  # a value it overwrites must still have been a valid one
+  for k in official:
+    if k in choices and config.rl[k] not in choices[k]:
+      raise config_files.ConfigError(f"rl.{k}={config.rl[k]!r} is not one of {', '.join(choices[k])}")
   changed = [f"rl.{k}={v!r}" for k, v in official.items() if config.rl[k] != v]
   config.rl.update(official)
   return changed
@@ -84,7 +93,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   sentence, before anything is loaded. With the base's ``model_cfg`` its own fields are filled in too (the
   diffusion's training steps, the trained components, the condition rank)."""
   rl = config.rl
-  for name, allowed in LOSS_OPTIONS.items():
+  for name, allowed in OPTIONS.items():
     if rl[name] not in allowed:
       raise config_files.ConfigError(f"rl.{name}={rl[name]!r} is not one of {', '.join(allowed)}")
   if rl.group_size < 2 or rl.prompts_per_iter < 1:
@@ -137,6 +146,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     raise config_files.ConfigError(f"rl.flow_noise_level={noise} must lie in (0, 1]: the rollouts need a "
                                    "stochastic flow SDE (0 is NOVA's deterministic ODE, which has no log-prob)")
   try:
+    loss_lib.check_options(lcfg, loss_lib.OPTIONS)
     batch_lib.validate(bcfg, steps)
   except ValueError as e:
     raise config_files.ConfigError(str(e)) from None
@@ -144,6 +154,10 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     raise config_files.ConfigError("rl.uncertainty_unit='pixel' mixes the MTE estimate per latent pixel inside a "
                                    "token, exact only for the official linear surrogate: set rl.ratio='none' (the "
                                    "rollout log-probs are kept per token)")
+  if not est.READS_CHAINS and rl.fidelity == "official":
+    raise config_files.ConfigError(f"rl.fidelity='official' reproduces the official chain update (one optimizer step "
+                                   f"per scored AR step), which rl.estimator={rl.estimator!r} does not have: use "
+                                   "rl.fidelity='intended' with it")
   if not est.READS_CHAINS and (rl.sequential_updates or rl.train_head):
     raise config_files.ConfigError(f"rl.estimator={rl.estimator!r} scores whole images with MAR's training loss: it "
                                    "has no AR steps to update in turn (rl.sequential_updates) and trains the AR side "
@@ -173,9 +187,9 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     raise config_files.ConfigError(f"rl.ema_decay={rl.ema_decay} must lie in [0, 1) (0 = no EMA)")
   try:
     masked = objective.MaskedObjective.from_config(rl.mar_objective)
-    objective.validate(masked)
+    objective.validate(masked, "rl.mar_objective.")
   except ValueError as e:
-    raise config_files.ConfigError(f"rl.mar_objective: {e}") from None
+    raise config_files.ConfigError(str(e)) from None
   try:
     lora_cfg = lora_lib.parse(rl.lora.rank, rl.lora.alpha, rl.lora.targets)
   except ValueError as e:

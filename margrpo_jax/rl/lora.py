@@ -48,8 +48,8 @@ def parse(rank: int, alpha: float, targets: str) -> LoraConfig:
   model by :func:`targets`."""
   if rank < 0:
     raise ValueError(f"rl.lora.rank={rank} must be >= 0 (0 = full fine-tuning)")
-  if not alpha >= 0.0:
-    raise ValueError(f"rl.lora.alpha={alpha} must be >= 0 (0 = rl.lora.rank, i.e. scale 1)")
+  if not 0.0 <= alpha < float("inf"):
+    raise ValueError(f"rl.lora.alpha={alpha} must be a finite number >= 0 (0 = rl.lora.rank, i.e. scale 1)")
   patterns = tuple(p.strip() for p in str(targets).split(",") if p.strip())
   for p in patterns:
     try:

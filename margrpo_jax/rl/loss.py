@@ -58,6 +58,18 @@ class LossConfig:
   logp_bf16: bool = False           # round the per-token log-probs through bfloat16 (official NOVA's cast)
 
 
+# The choices of LossConfig's option strings (``rl.<field>``); validation reads them from here.
+OPTIONS = dict(ratio=("rollout", "none"), kl=("gaussian", "official"), channel_reduction=("sum", "mean"),
+               mte_actual=("keep", "include", "replace"), logp=("chain", "elbo"))
+
+
+def check_options(cfg, options: dict) -> None:
+  """``ValueError`` naming ``rl.<field>`` for an option string of the dataclass ``cfg`` outside ``options``."""
+  for name, allowed in options.items():
+    if getattr(cfg, name) not in allowed:
+      raise ValueError(f"rl.{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+
+
 @flax.struct.dataclass
 class TrainBatch:
   """What the loss needs; axes M (selected AR steps), k (diffusion steps), S (MTE trajectories)."""

@@ -59,13 +59,16 @@ def rounded_cosine_schedule(seq_len: int, num_steps: int) -> MaskSchedule:
   return MaskSchedule(counts=counts, starts=starts, remaining=(seq_len - starts - counts).astype(np.int32))
 
 
+CFG_SCHEDULES = ("linear", "constant")  # sampling.cfg_schedule: MAR's scale rising with the known share | fixed
+
+
 def cfg_schedule(sched: MaskSchedule, seq_len: int, scale: float, kind: str = "linear") -> np.ndarray:
   """Per-step guidance scale (N,), float32."""
   if kind == "constant":
     return np.full(sched.num_steps, scale, np.float32)
   if kind == "linear":
     return (1.0 + (scale - 1.0) * (seq_len - sched.remaining) / seq_len).astype(np.float32)
-  raise ValueError(f"cfg_schedule={kind!r} is not one of 'constant', 'linear'")
+  raise ValueError(f"cfg_schedule={kind!r} is not one of {', '.join(CFG_SCHEDULES)}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,11 +23,12 @@ and, beyond the paper (each a named estimator of margrpo_jax/rl/estimators/, doc
                         EMA exported three quarters of the way from the base (WiSE-FT, ``rl.export_interpolation``)
   awm                   the same ELBO with signed advantages clipped to [-1, 1] and a KL anchor to the base
   nft                   DiffusionNFT: implicit positive / negative denoisers around the rollout policy
-Estimator fixes on by default (each a switch; ``rl.fidelity='official'`` restores the official behaviour):
-``rl.diffusion_window`` (no saturated first / near-deterministic last steps), ``rl.mte_actual='keep'`` (a decoded
-token keeps its own chain inside U), ``rl.topk_scope='region'``, ``rl.selection_chains='independent'``,
-``rl.sigma_grad`` (sigma treated alike in the log-prob and the KL).
-``rl.fidelity='official'`` reproduces the official code's behaviour (docs/algorithm.md section 14; deviation ids such as B1, A2 as in its section 13) in one switch.
+Estimator fixes on by default: ``rl.diffusion_window`` (no saturated first / near-deterministic last steps) and
+the ``rl.official.*`` block, the official code's behaviours this project changes, each a switch
+(``rl.official.mte_actual='keep'``: a decoded token keeps its own chain inside U; ``topk_scope='region'``;
+``selection_chains='independent'``; ``sigma_grad``: sigma treated alike in the log-prob and the KL; ...).
+``rl.fidelity='official'`` sets all of them (and the window) to the official code's values in one switch
+(docs/algorithm.md section 14; deviation ids such as B1, A2 as in its section 13).
 """
 import ml_collections
 
@@ -63,7 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # is the one the sample job sees.
   c.sampling = config_files.load("shapes_sample").sampling
   c.rl = dict(
-      fidelity="intended",        # 'intended' | 'official' (sets every switch below marked [official: ...])
+      fidelity="intended",        # 'intended' | 'official' (sets rl.official.* and every switch marked [official: ...])
       official_except="",         # with 'official': switches kept at their value here (comma-separated)
       prompt_file="",             # train prompts: '' = the shapes world (class labels for MAR), or a JSONL / text
                                   # prompt file (rl/prompts.py)
@@ -112,22 +113,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       export_interpolation=1.0,   # a in (0, 1]: export and evaluate theta_0 + a (theta - theta_0), the trained policy
                                   # (or its EMA) moved only part of the way from the base (WiSE-FT; keeps diversity)
       beta=0.01, clip_eps=0.2,    # [official: no clipping]
-      ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
-      kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]
-      channel_reduction="sum",    # 'sum' (Harmon) | 'mean' (NOVA)
-      cfg_in_loss=True,           # [official: False]
-      mask_after_step=False,      # [official: True, bug B1]
-      mte_latent="step",          # [official: 'commit', A2]
-      mte_commit_guided=False,    # with 'commit': guided MTE chains (CFG at cfg_scale) [official: True, Harmon]
-      mte_actual="keep",          # a decoded token in U keeps its own chain | 'include' | [official: 'replace']
-      diffusion_per_ar_step=False,  # the scored diffusion steps drawn per AR step [official NOVA: True]
-      logp_bf16=False,            # per-token log-probs rounded through bfloat16 [official NOVA: True]
-      topk_scope="region",        # U: top fraction of the loss region [official: 'all' positions, known included]
-      uncertainty_unit="token",   # U ranks tokens [official NOVA: 'pixel', its latent pixels, a quarter token each]
-      topk_random=0,              # random pixels added to U [official NOVA: 1]
-      selection_chains="independent",  # U and consistency from chains of their own [official: 'scored']
-      sigma_grad=True,            # sigma(z) differentiable in log-prob and KL alike [official: False, detached]
-      sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
+      channel_reduction="sum",    # per-token log-prob over channels: 'sum' (Harmon) | 'mean' (NOVA)
+      # The official code's behaviours this project changes (docs/algorithm.md sections 13-14): each the value
+      # used here, then the official one, which rl.fidelity='official' sets (rl.official_except keeps some).
+      official=dict(
+          ratio="rollout",            # [official: 'none', REINFORCE with exp(l - sg(l))]
+          kl="gaussian",              # [official: 'official', exp(d) - d - 1 on the means]
+          cfg_in_loss=True,           # [official: False]
+          mask_after_step=False,      # [official: True, bug B1]
+          mte_latent="step",          # [official: 'commit', A2]
+          mte_commit_guided=False,    # with 'commit': guided MTE chains (CFG at cfg_scale) [official: True, Harmon]
+          mte_actual="keep",          # a decoded token in U keeps its own chain | 'include' | [official: 'replace']
+          diffusion_per_ar_step=False,  # the scored diffusion steps drawn per AR step [official NOVA: True]
+          logp_bf16=False,            # per-token log-probs rounded through bfloat16 [official NOVA: True]
+          topk_scope="region",        # U: top fraction of the loss region [official: 'all', known included]
+          uncertainty_unit="token",   # U ranks tokens [official NOVA: 'pixel', latent pixels, a quarter token each]
+          topk_random=0,              # random pixels added to U [official NOVA: 1]
+          selection_chains="independent",  # U and consistency from chains of their own [official: 'scored']
+          sigma_grad=True,            # sigma(z) differentiable in log-prob and KL alike [official: False, detached]
+          sequential_updates=False,   # [official: True, one optimizer step per scored AR step (B8)]
+      ),
       num_inner=1,                # passes over each rollout's batch (PPO epochs; the ratio is 1 only in the first)
       num_minibatches=1,          # optimizer steps per pass, each on consecutive blocks of the iteration's images
       microbatch=0,               # > 0: an optimizer step's images scored this many at a time, gradients summed

@@ -122,12 +122,15 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
+    from margrpo_jax import validate
     found = re.search(r"'(\w+)", str(e))
     name = found.group(1) if found else str(e)
     bad = [a for a in overrides if re.search(rf"\b{re.escape(name)}\b", a.split("=")[0])] or overrides
     hint = re.search(r'Did you mean "([^"]+)"', str(e))
-    cli.fail(f"{bad[0].split('=')[0] if bad else '--config'} names a key {name!r} that the config does not have"
-             + (f" (did you mean {hint.group(1)!r}?)." if hint else "."))
+    flag = bad[0].split("=")[0] if bad else "--config"
+    moved = validate.RENAMED_KEYS.get(flag[len("--config."):])
+    tail = f" (it moved: --config.{moved})." if moved else f" (did you mean {hint.group(1)!r}?)." if hint else "."
+    cli.fail(f"{flag} names a key {name!r} that the config does not have{tail}")
   except flags.Error as e:
     cli.fail(cli.flag_error(e))
   except Exception as e:  # noqa: BLE001 - config files are user code: report, don't trace

@@ -32,7 +32,7 @@ from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective, precision, random_instance
 from margrpo_jax.parallel import mesh as mesh_lib
 from margrpo_jax.rewards import clip_rewards, registry
-from margrpo_jax.rl import config as rl_config, estimators, lora, prompts as rl_prompts
+from margrpo_jax.rl import config as rl_config, estimators, lora, loss as loss_lib, prompts as rl_prompts
 from margrpo_jax.sampling import sampler, schedule
 from margrpo_jax.config_files import ConfigError
 
@@ -83,6 +83,9 @@ ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws"
               "rl.lora.targets": lora.DEFAULT_TARGETS}
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
+# Keys moved in the schema: a run recorded under the old name resumes (the official code's switches moved into the
+# rl.official block).
+RENAMED_KEYS = {f"rl.{k}": f"rl.official.{k}" for k in loss_lib.OFFICIAL_SWITCHES}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
 
 
@@ -465,7 +468,7 @@ def begin_run(config, workdir: str, allow_changes: bool = False) -> None:
                       "were trained with), so a rerun cannot tell whether it is the same run: restore "
                       f"{path} or use a new --workdir")
   if isinstance(before, dict):
-    a, b = flatten(before), flatten(now)
+    a, b = {RENAMED_KEYS.get(k, k): x for k, x in flatten(before).items()}, flatten(now)
     diff = sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>")
                   and not (k not in a and k in ADDED_KEYS and b.get(k) == ADDED_KEYS[k])
                   and not (k not in b and k in REMOVED_KEYS and a.get(k) == REMOVED_KEYS[k]))

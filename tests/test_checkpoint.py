@@ -119,6 +119,14 @@ def test_resume_means_the_same_run(tmp_path):
   (tmp_path / "w" / "config.json").write_text(json.dumps(old))
   with pytest.raises(config_files.ConfigError, match=r"rl.debug_nan_iter \(3 -> '<absent>'\)"):
     validate.begin_run(config, wd)
+  old["rl"]["debug_nan_iter"] = -1
+  old["rl"].update(old["rl"].pop("official"))  # recorded before the official switches moved into rl.official
+  (tmp_path / "w" / "config.json").write_text(json.dumps(old))
+  validate.begin_run(config, wd)
+  config.rl.official.sequential_updates = True
+  with pytest.raises(config_files.ConfigError, match=r"rl.official.sequential_updates \(False -> True\)"):
+    validate.begin_run(config, wd)
+  config.rl.official.sequential_updates = False
   config.optim.lr *= 2
   config.rl.group_size = 4
   with pytest.raises(config_files.ConfigError, match=r"optim.lr .*rl.group_size \(\d+ -> 4\)"):

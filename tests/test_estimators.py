@@ -43,7 +43,8 @@ def test_presets_are_the_estimators_they_name():
   c = config_files.load("shapes_rl", "paper")
   changed = rl_config.resolve_fidelity(c)
   assert c.rl.diffusion_window == "1:-3" and not any("diffusion_window" in x for x in changed)
-  assert c.rl.mask_after_step and c.rl.selection_chains == "scored" and c.rl.consistency and c.rl.mte_seeds
+  assert c.rl.official.mask_after_step and c.rl.official.selection_chains == "scored" and c.rl.consistency
+  assert c.rl.mte_seeds
   assert c.rl.topk_fraction < 1.0 and not c.rl.train_head
 
 

@@ -21,21 +21,20 @@ from margrpo_jax import config_files, optim, validate
 from margrpo_jax.jobs import rl as rl_job
 from margrpo_jax.models import families, objective, precision, random_instance
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import advantages, batch as batch_lib, config as rl_config, estimators, loss as loss_lib
+from margrpo_jax.rl import advantages, config as rl_config, estimators
 from margrpo_jax.sampling import sampler, schedule
 
 CONFIGS = [("shapes_rl", "smoke"), ("shapes_rl", "paper,smoke"), ("shapes_rl", "image_elbo,smoke"),
            ("shapes_pretrain", "smoke"), ("shapes_sample", None), ("shapes_eval", None), ("mar", "tiny"),
            ("harmon", "tiny"), ("nova", "tiny")]
-NOT_USER_KEYS = ("logp",)  # LossConfig / BatchConfig fields set from rl.estimator, not read from the config
 
 
 def option_tables() -> dict:
   """Dotted config key -> its choices, from every owner."""
   tables = dict(validate.OPTIONS, **{"mar.mask_ratio": objective.MASK_RATIOS,
                                      "rl.mar_objective.mask_ratio": objective.MASK_RATIOS})
-  for owner in (rl_config.OPTIONS, loss_lib.OPTIONS, batch_lib.OPTIONS):
-    tables.update({f"rl.{k}": v for k, v in owner.items() if k not in NOT_USER_KEYS})
+  tables.update({f"rl.{k}": v for k, v in rl_config.OPTIONS.items()})
+  tables.update({rl_config.config_key(k): v for k, v in rl_config.STEP_OPTIONS.items()})  # rl.official.* among them
   return tables
 
 
@@ -87,7 +86,7 @@ def test_the_rl_options_are_each_checked_once_by_their_owner():
   """validate.py keeps no table of the RL step's options or of the masked objective's keys: step_config and
   objective.validate own them, and a bad value is refused by them naming the key."""
   flat = set(validate.AT_LEAST) | set(validate.IN_RANGE) | set(validate.OPTIONS)
-  step_owned = {f"rl.{k}" for k in (*rl_config.OPTIONS, *loss_lib.OPTIONS, *batch_lib.OPTIONS)}
+  step_owned = {f"rl.{k}" for k in rl_config.OPTIONS} | {rl_config.config_key(k) for k in rl_config.STEP_OPTIONS}
   assert not flat & step_owned
   assert not {k for k in flat if k.startswith(("mar.", "rl.mar_objective.", "rl.lora."))}
   for key, value in [("mar.label_drop", 1.0), ("mar.mask_ratio_std", float("nan")), ("mar.mask_ratio_min", 1.5),

@@ -66,7 +66,7 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   c = config_files.load("nova", "tiny")
   c.rl.fidelity = "official"
   rl_config.resolve_fidelity(c)
-  assert {k: c.rl[k] for k in rl_config.OFFICIAL_NOVA} == rl_config.OFFICIAL_NOVA
+  assert {k: rl_config.block_of(c.rl, k)[k] for k in rl_config.OFFICIAL_NOVA} == rl_config.OFFICIAL_NOVA
   sc = rl_config.step_config(c, c.model)
   assert sc.batch.diffusion_per_ar_step and sc.loss.logp_bf16 and sc.loss.channel_reduction == "mean"
   assert not sc.batch.mte_commit_guided and sc.flow == (0.7, 1.0) and sc.sampler.mask_schedule == "cos_round"
@@ -75,8 +75,8 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   h = config_files.load("harmon", "tiny")
   h.rl.fidelity = "official"
   rl_config.resolve_fidelity(h)
-  assert {k: h.rl[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL and not h.rl.logp_bf16
-  assert h.rl.mask_after_step  # Harmon's post-step mask (B1)
+  assert {k: rl_config.block_of(h.rl, k)[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
+  assert h.rl.official.mask_after_step and not h.rl.official.logp_bf16  # Harmon's post-step mask (B1)
 
 
 @pytest.mark.slow

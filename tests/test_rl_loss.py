@@ -174,7 +174,7 @@ def test_default_window_drops_the_first_and_last_steps_and_zero_scores_all_of_it
         batch_lib.validate(batch_lib.BatchConfig(diffusion_window=bad), 10)
   with pytest.raises(ValueError, match="does not fit the scored-step window 1:7"):
     batch_lib.validate(batch_lib.BatchConfig(num_diffusion_steps=7), 10)
-  with pytest.raises(ValueError, match="rl.topk_scope='everywhere' is not one of region, all"):
+  with pytest.raises(ValueError, match="rl.official.topk_scope='everywhere' is not one of region, all"):
     batch_lib.validate(batch_lib.BatchConfig(topk_scope="everywhere"), 10)
 
 

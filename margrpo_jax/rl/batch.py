@@ -96,11 +96,11 @@ def validate(bcfg: BatchConfig, num_steps: int) -> None:
     raise ValueError(f"rl.mte_seeds={bcfg.mte_seeds} must be >= 0 and rl.topk_fraction={bcfg.topk_fraction} "
                      "in [0, 1]")
   if bcfg.topk_random < 0 or (bcfg.topk_random and bcfg.uncertainty_unit != "pixel"):
-    raise ValueError(f"rl.topk_random={bcfg.topk_random} counts extra random latent pixels of U (official NOVA: 1): "
-                     "it must be >= 0 and needs rl.uncertainty_unit='pixel'")
+    raise ValueError(f"rl.official.topk_random={bcfg.topk_random} counts extra random latent pixels of U (official "
+                     "NOVA: 1): it must be >= 0 and needs rl.official.uncertainty_unit='pixel'")
   if bcfg.uncertainty_unit == "pixel" and not bcfg.mte_seeds:
-    raise ValueError("rl.uncertainty_unit='pixel' ranks latent pixels by the spread of the MTE trajectories: it "
-                     "needs rl.mte_seeds > 0")
+    raise ValueError("rl.official.uncertainty_unit='pixel' ranks latent pixels by the spread of the MTE "
+                     "trajectories: it needs rl.mte_seeds > 0")
   if bcfg.num_ar_steps < 1:
     raise ValueError(f"rl.num_ar_steps={bcfg.num_ar_steps} must be at least 1")
 

@@ -37,11 +37,14 @@ def parse_window(window: str) -> tuple[int, int | None]:
 FIDELITIES = ("intended", "official")   # rl.fidelity: resolved here (resolve_fidelity)
 ROLLOUT_POLICIES = ("policy", "base")   # rl.rollout_policy: the rollouts' sampler (jobs/rl.py's iteration)
 # The rl.* option strings read outside the step's dataclasses, each tuple owned by the code that dispatches on it;
-# the dataclasses' own (rl/loss.py's and rl/batch.py's OPTIONS) are checked when step_config builds them.
+# the dataclasses' own (:data:`STEP_OPTIONS`, from rl/loss.py and rl/batch.py) are checked by step_config too.
 OPTIONS = dict(fidelity=FIDELITIES, advantage=advantages.KINDS, reward_norm=registry.NORMALIZE,
                estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=ROLLOUT_POLICIES)
+STEP_OPTIONS = {k: v for k, v in {**loss_lib.OPTIONS, **batch_lib.OPTIONS}.items() if k != "logp"}  # logp: estimator's
+config_key = loss_lib.config_key  # rl.official.<switch> or rl.<key>
 
-# rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14)
+# rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14), those of
+# the rl.official block (loss.OFFICIAL_SWITCHES) and rl.diffusion_window, rl.clip_eps (settings of their own)
 OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,
                 topk_scope="all", selection_chains="scored", clip_eps=0.0, ratio="none", kl="official",
                 cfg_in_loss=False, sigma_grad=False, mte_actual="replace", sequential_updates=True)
@@ -60,10 +63,15 @@ def head_kind(config, model_cfg=None) -> str:
   return str(m.get("diffusion", {}).get("kind", "gaussian")) if m is not None else "gaussian"
 
 
+def block_of(rl, name: str):
+  """The config block holding switch ``name``: ``rl.official`` or ``rl``."""
+  return rl.official if name in loss_lib.OFFICIAL_SWITCHES else rl
+
+
 def resolve_fidelity(config) -> list[str]:
-  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` (in place), except the switches
-  named in ``rl.official_except`` (comma-separated; they keep their configured value); returns the ``key=value``
-  assignments that changed something."""
+  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` and ``config.rl.official`` (in
+  place), except the switches named in ``rl.official_except`` (comma-separated names; they keep their configured
+  value); returns the ``key=value`` assignments that changed something."""
   if config.rl.fidelity not in FIDELITIES:
     raise config_files.ConfigError(f"rl.fidelity={config.rl.fidelity!r} is not one of {', '.join(FIDELITIES)}")
   if config.rl.fidelity != "official":
@@ -78,12 +86,13 @@ def resolve_fidelity(config) -> list[str]:
       raise config_files.ConfigError(f"rl.official_except names {k!r}, not a switch of rl.fidelity='official' "
                                      f"(switches: {', '.join(official)})")
     del official[k]
-  choices = {**loss_lib.OPTIONS, **batch_lib.OPTIONS}  # a value it overwrites must still have been a valid one
-  for k in official:
-    if k in choices and config.rl[k] not in choices[k]:
-      raise config_files.ConfigError(f"rl.{k}={config.rl[k]!r} is not one of {', '.join(choices[k])}")
-  changed = [f"rl.{k}={v!r}" for k, v in official.items() if config.rl[k] != v]
-  config.rl.update(official)
+  for k in official:  # a value it overwrites must still have been a valid one
+    if k in STEP_OPTIONS and block_of(config.rl, k)[k] not in STEP_OPTIONS[k]:
+      raise config_files.ConfigError(f"{config_key(k)}={block_of(config.rl, k)[k]!r} is not one of "
+                                     f"{', '.join(STEP_OPTIONS[k])}")
+  changed = [f"{config_key(k)}={v!r}" for k, v in official.items() if block_of(config.rl, k)[k] != v]
+  for k, v in official.items():
+    block_of(config.rl, k)[k] = v
   return changed
 
 
@@ -92,10 +101,11 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   validated: an impossible option, window or combination raises :class:`config_files.ConfigError` in one
   sentence, before anything is loaded. With the base's ``model_cfg`` its own fields are filled in too (the
   diffusion's training steps, the trained components, the condition rank)."""
-  rl = config.rl
-  for name, allowed in OPTIONS.items():
-    if rl[name] not in allowed:
-      raise config_files.ConfigError(f"rl.{name}={rl[name]!r} is not one of {', '.join(allowed)}")
+  rl, o = config.rl, config.rl.official
+  for name, allowed in {**OPTIONS, **STEP_OPTIONS}.items():
+    if block_of(rl, name)[name] not in allowed:
+      raise config_files.ConfigError(f"{config_key(name)}={block_of(rl, name)[name]!r} is not one of "
+                                     f"{', '.join(allowed)}")
   if rl.group_size < 2 or rl.prompts_per_iter < 1:
     raise config_files.ConfigError(f"rl.group_size={rl.group_size} must be >= 2 and rl.prompts_per_iter="
                                    f"{rl.prompts_per_iter} >= 1 (group advantages need two images per prompt)")
@@ -125,17 +135,17 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   bcfg = batch_lib.BatchConfig(num_ar_steps=num_ar, num_diffusion_steps=rl.num_diffusion_steps,
                                diffusion_window=parse_window(rl.diffusion_window), mte_seeds=rl.mte_seeds,
                                topk_fraction=rl.topk_fraction, consistency=rl.consistency,
-                               mask_after_step=rl.mask_after_step, mte_latent=rl.mte_latent,
-                               mte_commit_guided=rl.mte_commit_guided, topk_scope=rl.topk_scope,
-                               selection_chains=rl.selection_chains, loss_tokens=rl.loss_tokens,
-                               logp=est_logp, diffusion_per_ar_step=bool(rl.diffusion_per_ar_step),
-                               uncertainty_unit=rl.uncertainty_unit,
-                               topk_random=int(rl.topk_random))
-  lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=rl.ratio, kl=rl.kl,
-                             channel_reduction=rl.channel_reduction, cfg_in_loss=rl.cfg_in_loss,
+                               mask_after_step=o.mask_after_step, mte_latent=o.mte_latent,
+                               mte_commit_guided=o.mte_commit_guided, topk_scope=o.topk_scope,
+                               selection_chains=o.selection_chains, loss_tokens=rl.loss_tokens,
+                               logp=est_logp, diffusion_per_ar_step=bool(o.diffusion_per_ar_step),
+                               uncertainty_unit=o.uncertainty_unit,
+                               topk_random=int(o.topk_random))
+  lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=o.ratio, kl=o.kl,
+                             channel_reduction=rl.channel_reduction, cfg_in_loss=o.cfg_in_loss,
                              temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
-                             remat=rl.remat, sigma_grad=rl.sigma_grad, mte_actual=rl.mte_actual,
-                             logp=est_logp, logp_bf16=bool(rl.logp_bf16))
+                             remat=rl.remat, sigma_grad=o.sigma_grad, mte_actual=o.mte_actual,
+                             logp=est_logp, logp_bf16=bool(o.logp_bf16))
   steps = (int(config.sampling.diffusion_steps) if is_flow else
            gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps)
   if is_flow and rl.estimator != "chain":
@@ -146,22 +156,21 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     raise config_files.ConfigError(f"rl.flow_noise_level={noise} must lie in (0, 1]: the rollouts need a "
                                    "stochastic flow SDE (0 is NOVA's deterministic ODE, which has no log-prob)")
   try:
-    loss_lib.check_options(lcfg, loss_lib.OPTIONS)
     batch_lib.validate(bcfg, steps)
   except ValueError as e:
     raise config_files.ConfigError(str(e)) from None
-  if bcfg.uncertainty_unit == "pixel" and rl.ratio != "none":
-    raise config_files.ConfigError("rl.uncertainty_unit='pixel' mixes the MTE estimate per latent pixel inside a "
-                                   "token, exact only for the official linear surrogate: set rl.ratio='none' (the "
-                                   "rollout log-probs are kept per token)")
+  if bcfg.uncertainty_unit == "pixel" and o.ratio != "none":
+    raise config_files.ConfigError("rl.official.uncertainty_unit='pixel' mixes the MTE estimate per latent pixel "
+                                   "inside a token, exact only for the official linear surrogate: set "
+                                   "rl.official.ratio='none' (the rollout log-probs are kept per token)")
   if not est.READS_CHAINS and rl.fidelity == "official":
     raise config_files.ConfigError(f"rl.fidelity='official' reproduces the official chain update (one optimizer step "
                                    f"per scored AR step), which rl.estimator={rl.estimator!r} does not have: use "
                                    "rl.fidelity='intended' with it")
-  if not est.READS_CHAINS and (rl.sequential_updates or rl.train_head):
+  if not est.READS_CHAINS and (o.sequential_updates or rl.train_head):
     raise config_files.ConfigError(f"rl.estimator={rl.estimator!r} scores whole images with MAR's training loss: it "
-                                   "has no AR steps to update in turn (rl.sequential_updates) and trains the AR side "
-                                   "only (rl.train_head)")
+                                   "has no AR steps to update in turn (rl.official.sequential_updates) and trains "
+                                   "the AR side only (rl.train_head)")
   if rl.estimator == "awm" and not rl.beta:
     raise config_files.ConfigError("rl.estimator='awm' needs its anchor: set rl.beta > 0 (without it the negative "
                                    "half raises the denoising loss of typical samples without limit)")
@@ -199,7 +208,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                    draws=int(rl.elbo_draws))
   sc = step_lib.StepConfig(sampler=scfg, batch=bcfg, loss=lcfg, num_inner=rl.num_inner,
                            num_minibatches=rl.num_minibatches, microbatch=rl.microbatch,
-                           sequential=rl.sequential_updates,
+                           sequential=o.sequential_updates,
                            estimator=rl.estimator, forward=fcfg,
                            ema_decay=float(rl.ema_decay), export_interpolation=float(rl.export_interpolation),
                            lora=lora_cfg, respacing=str(config.sampling.diffusion_steps),

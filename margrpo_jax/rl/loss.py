@@ -58,16 +58,26 @@ class LossConfig:
   logp_bf16: bool = False           # round the per-token log-probs through bfloat16 (official NOVA's cast)
 
 
-# The choices of LossConfig's option strings (``rl.<field>``); validation reads them from here.
+# The choices of LossConfig's option strings; validation reads them from here.
 OPTIONS = dict(ratio=("rollout", "none"), kl=("gaussian", "official"), channel_reduction=("sum", "mean"),
                mte_actual=("keep", "include", "replace"), logp=("chain", "elbo"))
+# The step's switches that exist to reproduce the official code (docs/algorithm.md sections 13-14): the config
+# holds them in its ``rl.official`` block, every other field of LossConfig / BatchConfig directly in ``rl``.
+OFFICIAL_SWITCHES = ("ratio", "kl", "cfg_in_loss", "mask_after_step", "mte_latent", "mte_commit_guided", "mte_actual",
+                     "diffusion_per_ar_step", "logp_bf16", "topk_scope", "uncertainty_unit", "topk_random",
+                     "selection_chains", "sigma_grad", "sequential_updates")
+
+
+def config_key(name: str) -> str:
+  """The config key of a step switch: ``rl.official.<name>`` or ``rl.<name>``."""
+  return f"rl.official.{name}" if name in OFFICIAL_SWITCHES else f"rl.{name}"
 
 
 def check_options(cfg, options: dict) -> None:
-  """``ValueError`` naming ``rl.<field>`` for an option string of the dataclass ``cfg`` outside ``options``."""
+  """``ValueError`` naming the config key for an option string of the dataclass ``cfg`` outside ``options``."""
   for name, allowed in options.items():
     if getattr(cfg, name) not in allowed:
-      raise ValueError(f"rl.{name}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+      raise ValueError(f"{config_key(name)}={getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
 
 
 @flax.struct.dataclass

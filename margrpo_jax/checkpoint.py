@@ -23,11 +23,12 @@ from absl import logging
 from flax import nnx
 
 from margrpo_jax import fileio
+from margrpo_jax.errors import UserError
 from margrpo_jax.models import families
 from margrpo_jax.parallel import hosts, sharding
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint path that is missing or unreadable, with a one-sentence message."""
 
 

@@ -6,9 +6,11 @@ import os
 
 import ml_collections
 
+from margrpo_jax.errors import UserError
 from margrpo_jax.models import random_instance
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
   """A config value or combination that cannot work, in one sentence (the entry point exits with code 2)."""
 
 

@@ -23,13 +23,14 @@ import tempfile
 import numpy as np
 from absl import logging
 
+from margrpo_jax.errors import UserError
 from margrpo_jax.parallel import hosts
 
 SCHEMES = ("gs://",)  # URL schemes the jobs accept (Orbax / tensorstore write gs:// and local paths only)
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-class UnsupportedPath(ValueError):
+class UnsupportedPath(UserError, ValueError):
   """A URL of a scheme the jobs cannot write through (one sentence)."""
 
 

@@ -13,6 +13,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from margrpo_jax import cli
+from margrpo_jax.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, optionally :arg.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and outputs.")
@@ -28,17 +29,10 @@ MODES = tuple(JOBS)
 LOCKED = ("rl", "pretrain", "tokenizer", "ablation")  # modes that own their workdir while they run (W/.lock)
 
 
-class UserError(Exception):
-  """An error with a one-sentence message for the user."""
-
-
 def user_errors() -> tuple[type[Exception], ...]:
-  """The exceptions that carry a user's mistake as one sentence (``error: ...``, exit code 2)."""
-  from margrpo_jax import checkpoint, config_files, fileio, workdir_lock
-  from margrpo_jax.data import prompt_files
-  from margrpo_jax.models import families
-  return (UserError, workdir_lock.WorkdirInUse, config_files.ConfigError, fileio.UnsupportedPath,
-          checkpoint.CheckpointError, prompt_files.PromptFileError, families.UnknownFamily, FileNotFoundError)
+  """The exceptions that carry a user's mistake as one sentence (``error: ...``, exit code 2): every module's
+  own derives from :class:`errors.UserError`; a missing file is the operating system's."""
+  return (UserError, FileNotFoundError)
 
 
 def prepare(config, workdir: str):

@@ -13,8 +13,10 @@ import socket
 
 from absl import logging
 
+from margrpo_jax.errors import UserError
 
-class WorkdirInUse(Exception):
+
+class WorkdirInUse(UserError):
   """Another live run owns the workdir (one sentence for the user)."""
 
 

@@ -139,3 +139,15 @@ def test_every_host_side_choice_runs_in_its_consumer(tmp_path):
     else:  # '' without a checkpoint: a real family needs a converted export, named in one sentence
       with pytest.raises(Exception, match="config.checkpoint is not set"):
         rl_job.base_checkpoint(c, str(tmp_path))
+
+
+def test_every_one_sentence_error_derives_from_the_one_user_error_base():
+  """``main`` prints any :class:`errors.UserError` as one ``error:`` line (exit code 2); each module's error keeps
+  its built-in base too, so code that catches ``ValueError`` still does."""
+  from margrpo_jax import checkpoint, errors, fileio, main, workdir_lock
+  from margrpo_jax.data import prompt_files
+  assert main.user_errors() == (errors.UserError, FileNotFoundError)
+  for cls in (config_files.ConfigError, checkpoint.CheckpointError, prompt_files.PromptFileError,
+              fileio.UnsupportedPath, families.UnknownFamily):
+    assert issubclass(cls, errors.UserError) and issubclass(cls, ValueError), cls
+  assert issubclass(workdir_lock.WorkdirInUse, errors.UserError)

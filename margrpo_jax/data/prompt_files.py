@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 from margrpo_jax import fileio
+from margrpo_jax.errors import UserError
 from margrpo_jax.data import shapes
 
 __all__ = ["PromptFileError", "FORMATS", "read_prompt_file", "read_prompt_dir", "prompt_dir_files"]
@@ -34,7 +35,7 @@ __all__ = ["PromptFileError", "FORMATS", "read_prompt_file", "read_prompt_dir", 
 FORMATS = ("auto", "jsonl", "txt")
 
 
-class PromptFileError(ValueError):
+class PromptFileError(UserError, ValueError):
   """A prompt file is missing, empty or malformed; the message names the file and line."""
 
 

@@ -24,6 +24,8 @@ import json
 import ml_collections
 from flax import nnx
 
+from margrpo_jax.errors import UserError
+
 
 class Generator(nnx.Module):
   """Base class of the image-generator families (module docstring); subclasses set the class attributes."""
@@ -63,7 +65,7 @@ REGISTRY = {  # model.family -> "module:Class" (imported on first use)
 GENERATORS = ("tiny", "mar", "harmon", "nova")
 
 
-class UnknownFamily(ValueError):
+class UnknownFamily(UserError, ValueError):
   """A ``model.family`` the registry does not have (one sentence)."""
 
 

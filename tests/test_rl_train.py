@@ -182,7 +182,7 @@ def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, 
   config.num_iters, config.tfds_dir = 1, shapes_tfds
   rl_job.run(config, str(tmp_path / "w"))
   recorded = json.loads((tmp_path / "w" / "config.json").read_text())["rl"]
-  assert {k: recorded[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
+  assert {k: rl_config.block_of(recorded, k)[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
   sc = rl_config.step_config(config)
   assert sc.sequential and sc.loss.clip_eps == 0.0 and sc.loss.ratio == "none" and sc.batch.diffusion_window == (0, None)
 

@@ -64,8 +64,9 @@ def head_kind(config, model_cfg=None) -> str:
 
 
 def block_of(rl, name: str):
-  """The config block holding switch ``name``: ``rl.official`` or ``rl``."""
-  return rl.official if name in loss_lib.OFFICIAL_SWITCHES else rl
+  """The block of ``rl`` (a ConfigDict or the dict of a recorded config.json) holding switch ``name``:
+  ``rl.official`` or ``rl``."""
+  return rl["official"] if name in loss_lib.OFFICIAL_SWITCHES else rl
 
 
 def resolve_fidelity(config) -> list[str]:

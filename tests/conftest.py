@@ -86,3 +86,16 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+# The files that take longest (minutes each on 2 cores), longest first. With `-n 2 --dist loadfile` the two workers
+# take whole files in collection order, so these start first and the short files fill in around them (longest-
+# processing-time-first), instead of a long file started last running alone at the end.
+LONGEST_FIRST = ("test_parallel.py", "test_rl_loss.py", "test_multihost.py", "test_interrupt_and_lock.py",
+                 "test_rl_train.py", "test_rl_families.py", "test_bad_inputs.py", "test_estimators.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order inside a file is kept

@@ -44,7 +44,8 @@ STEP_OPTIONS = {k: v for k, v in {**loss_lib.OPTIONS, **batch_lib.OPTIONS}.items
 config_key = loss_lib.config_key  # rl.official.<switch> or rl.<key>
 
 # rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14), those of
-# the rl.official block (loss.OFFICIAL_SWITCHES) and rl.diffusion_window, rl.clip_eps (settings of their own)
+# the rl.official block (loss.OFFICIAL_SWITCHES) and rl.diffusion_window, rl.clip_eps and, on NOVA,
+# rl.channel_reduction (settings of their own)
 OFFICIAL = dict(diffusion_window=":", mask_after_step=True, mte_latent="commit", mte_commit_guided=True,
                 topk_scope="all", selection_chains="scored", clip_eps=0.0, ratio="none", kl="official",
                 cfg_in_loss=False, sigma_grad=False, mte_actual="replace", sequential_updates=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import ml_collections
@@ -12,6 +13,25 @@ from margrpo_jax.models import random_instance
 
 class ConfigError(UserError, ValueError):
   """A config value or combination that cannot work, in one sentence (the entry point exits with code 2)."""
+
+
+Range = tuple  # (low, high, low included, high included): a number's allowed span, declared by the code that reads it
+
+
+def check_ranges(block, ranges: dict, prefix: str) -> None:
+  """Each ``key -> Range`` of ``ranges`` that ``block`` (a config block) has must be a finite number inside its
+  span; a value outside is refused naming ``prefix + key``. The owners' tables: ``optim.RANGES``,
+  ``sampler.RANGES``, ``rl/config.py: RANGES``, ``registry.SETTING_RANGES``, validate.py's run-level keys."""
+  for key, (lo, hi, lo_in, hi_in) in ranges.items():
+    v = block.get(key) if hasattr(block, "get") else None
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+      continue
+    if math.isfinite(v) and (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi):
+      continue
+    if isinstance(v, int) and lo_in and hi == math.inf:
+      raise ConfigError(f"{prefix}{key}={v} must be at least {lo}")
+    span = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+    raise ConfigError(f"{prefix}{key}={v} must be a finite number in {span}")
 
 
 # The repository's configs/ folder (the package is installed editable, next to it).

@@ -6,12 +6,19 @@ wrapped in ``optax.masked`` so frozen leaves carry no optimizer moments and get 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 DECAYS = ("constant", "cosine")  # optim.decay: after the warm-up, lr held or cosine-decayed to final_lr_frac lr
+# optim.<key> -> (low, high, low included, high included); validate.py checks the config against it
+RANGES = dict(lr=(0, math.inf, False, False), b1=(0, 1, True, False), b2=(0, 1, True, False),
+              eps=(0, math.inf, False, False), weight_decay=(0, math.inf, True, False),
+              grad_clip=(0, math.inf, False, False), final_lr_frac=(0, 1, True, True),
+              warmup_steps=(0, math.inf, True, False))
 
 
 def lr_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:

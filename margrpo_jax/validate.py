@@ -38,33 +38,20 @@ from margrpo_jax.config_files import ConfigError
 
 INF = math.inf
 
+# The run-level keys (the config files' own, read by main and the jobs); each block's numbers are declared by the
+# code that reads them (OWNED_RANGES) and the RL step's by rl/config.py (step_config).
 # key -> smallest allowed integer (checked where the config has the key)
 AT_LEAST = {
     "seed": 0, "num_iters": 1, "num_steps": 1, "batch_size": 1, "log_every": 1, "log_images_every": 1,
     "eval.batch_size": 1, "eval.num_prompts": 1, "eval.final_num_prompts": 0, "eval.seed": 0, "eval.every": 0,
     "eval.num_images": 1,
     "save.every": 1, "save.keep": 1, "checkpoint.every": 1, "checkpoint.keep": 1, "grid_size": 0,
-    "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1,
-    "sampling.num_steps": 1, "optim.warmup_steps": 0,
-    "rewards.hps.batch_size": 1, "rewards.pickscore.batch_size": 1, "rewards.clip_score.batch_size": 1,
-    "rewards.aesthetic.batch_size": 1, "rewards.imagereward.batch_size": 1, "parallel.init_timeout_s": 1,
+    "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1, "parallel.init_timeout_s": 1,
 }
 MAX_SEED = 2 ** 31 - 1
 AT_MOST = {"eval.num_prompts": 100_000, "max_prompts": 1_000_000}  # prompt lists held in memory
-# key -> (low, high, low included, high included) for floats (NaN is never in range)
-IN_RANGE = {
-    "optim.lr": (0, INF, False, False), "optim.b1": (0, 1, True, False), "optim.b2": (0, 1, True, False),
-    "optim.eps": (0, INF, False, False), "optim.weight_decay": (0, INF, True, False),
-    "optim.grad_clip": (0, INF, False, False), "optim.final_lr_frac": (0, 1, True, True),
-    "ema_decay": (0, 1, True, False), "beta": (0, INF, True, False),
-    "sampling.cfg_scale": (0, INF, True, False), "sampling.temperature": (0, INF, False, False),
-    "sampling.clip_denoised": (0, INF, True, False), "sampling.flow_noise_level": (0, INF, True, False),
-    "rl.beta": (0, INF, True, False), "rl.clip_eps": (0, INF, True, False), "rl.adv_clip": (0, INF, True, False),
-    "rl.pretrain_mix": (0, INF, True, False), "rl.rollout_cfg_scale": (0, INF, True, False),
-    "rl.rollout_temperature": (0, INF, True, False),
-    "rl.diversity_bonus": (0, INF, True, False), "rl.export_interpolation": (0, 1, False, True),
-    "rewards.hps.scale": (-INF, INF, False, False), "rewards.pickscore.scale": (-INF, INF, False, False),
-}
+# block -> its numbers' (low, high, low included, high included), owned by the code that consumes the block
+OWNED_RANGES = {"optim": optim.RANGES, "sampling": sampler.RANGES}
 # key -> its choices, each the table of the code that dispatches on it (rl.* options: rl/config.py's step_config)
 OPTIONS = {
     "optim.decay": optim.DECAYS, "sampling.cfg_schedule": schedule.CFG_SCHEDULES,
@@ -118,14 +105,11 @@ def check_values(config) -> None:
       raise ConfigError(f"{key}={v} must be at most {MAX_SEED} (a 32-bit PRNG seed)")
     if present and key in AT_MOST and isinstance(v, int) and v > AT_MOST[key]:
       raise ConfigError(f"{key}={v} must be at most {AT_MOST[key]:,}")
-  for key, (lo, hi, lo_in, hi_in) in IN_RANGE.items():
-    present, v = _has(config, key)
-    if not present or isinstance(v, bool) or not isinstance(v, (int, float)):
-      continue
-    ok = math.isfinite(v) and (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
-    if not ok:
-      span = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}".replace("inf", "inf")
-      raise ConfigError(f"{key}={v} must be a finite number in {span}")
+  for block, ranges in OWNED_RANGES.items():
+    if block in config:
+      config_files.check_ranges(config[block], ranges, f"{block}.")
+  for name, settings in config.get("rewards", {}).items():
+    config_files.check_ranges(settings, registry.SETTING_RANGES, f"rewards.{name}.")
   for key, allowed in OPTIONS.items():
     present, v = _has(config, key)
     if present and v not in allowed:

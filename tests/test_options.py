@@ -85,7 +85,7 @@ def test_every_choice_is_checked_and_every_other_string_refused_naming_the_key(n
 def test_the_rl_options_are_each_checked_once_by_their_owner():
   """validate.py keeps no table of the RL step's options or of the masked objective's keys: step_config and
   objective.validate own them, and a bad value is refused by them naming the key."""
-  flat = set(validate.AT_LEAST) | set(validate.IN_RANGE) | set(validate.OPTIONS)
+  flat = set(validate.AT_LEAST) | set(validate.OPTIONS)
   step_owned = {f"rl.{k}" for k in rl_config.OPTIONS} | {rl_config.config_key(k) for k in rl_config.STEP_OPTIONS}
   assert not flat & step_owned
   assert not {k for k in flat if k.startswith(("mar.", "rl.mar_objective.", "rl.lora."))}
@@ -99,6 +99,53 @@ def test_the_rl_options_are_each_checked_once_by_their_owner():
   c.rl.mar_objective.label_drop = 1.0
   with pytest.raises(config_files.ConfigError, match=r"^rl\.mar_objective\.label_drop=1\.0 must be"):
     rl_config.step_config(c)
+
+
+def range_tables() -> dict:
+  """(config, arg, prefix, the check that owns it) -> that owner's ranges: every table of numbers' spans."""
+  from margrpo_jax.jobs import pretrain, tokenizer
+  learned = {f"rewards.{name}.": registry.SETTING_RANGES for name in registry.LEARNED}
+  return {("shapes_pretrain", "smoke", "optim.", validate.check_values): optim.RANGES,
+          ("shapes_sample", None, "sampling.", validate.check_values): sampler.RANGES,
+          ("nova", "tiny", "sampling.", validate.check_values): sampler.RANGES,  # + the flow sampler's noise level
+          ("shapes_rl", "smoke", "rl.", _checks): rl_config.RANGES,
+          ("shapes_pretrain", "smoke", "", pretrain.check): pretrain.RANGES,
+          ("shapes_tokenizer", "smoke", "", tokenizer.check): tokenizer.RANGES,
+          **{("shapes_eval", None, prefix, validate.check_values): t for prefix, t in learned.items()}}
+
+
+def test_every_owned_range_refuses_the_values_just_outside_it_naming_the_key():
+  """Each owner's table is what is checked: a value just below / above a bound (or on an excluded bound) and NaN are
+  refused in one sentence naming the key, and the bounds it includes pass."""
+  checked = set()
+  for (name, arg, prefix, check), ranges in range_tables().items():
+    for key, (lo, hi, lo_in, hi_in) in ranges.items():
+      bad, good = [float("nan")], []
+      for bound, included, step in ((lo, lo_in, -1), (hi, hi_in, 1)):
+        if abs(bound) != float("inf"):
+          (good if included else bad).append(bound)
+          bad.append(bound + step * 0.5)
+      for value in bad + good:
+        c = config_files.load(name, arg) if arg else config_files.load(name)
+        node = c
+        for part in (prefix + key).split(".")[:-1]:
+          node = node[part]
+        if key not in node:
+          continue
+        checked.add(prefix + key)
+        old = node[key]
+        _set(c, prefix + key, type(old)(value) if isinstance(old, int) and value == value and
+             float(value).is_integer() else value)
+        if value in bad or value != value:
+          with pytest.raises(config_files.ConfigError, match=rf"^{(prefix + key).replace('.', '[.]')}="):
+            check(c)
+        else:
+          try:
+            check(c)
+          except config_files.ConfigError as e:  # a bound inside the span may still be an impossible combination,
+            assert not str(e).startswith(f"{prefix}{key}=") or "must be" not in str(e), e  # never out of range
+  missing = {prefix + k for (_, _, prefix, _), t in range_tables().items() for k in t} - checked
+  assert missing == {f"rewards.{n}.scale" for n in ("aesthetic", "clip_score", "imagereward")}, missing  # no scale
 
 
 def test_every_host_side_choice_runs_in_its_consumer(tmp_path):

@@ -22,11 +22,19 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from margrpo_jax import checkpoint, fileio, generate, interrupt, optim, validate
+from margrpo_jax import checkpoint, config_files, fileio, generate, interrupt, optim, validate
 from margrpo_jax.data import shapes, tfds_builders
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective, text, tiny
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
+
+
+RANGES = dict(ema_decay=(0, 1, True, False))  # the job's own numbers (each block's: its owner's table)
+
+
+def check(config) -> None:
+  """The pretraining job's own keys (validate.py has checked the blocks and the model)."""
+  config_files.check_ranges(config, RANGES, "")
 
 
 def init_state(config, seed: int | None = None):

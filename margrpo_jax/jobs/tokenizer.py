@@ -27,7 +27,7 @@ from absl import logging
 from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from margrpo_jax import checkpoint, fileio, generate, interrupt, optim, rng, validate
+from margrpo_jax import checkpoint, config_files, fileio, generate, interrupt, optim, rng, validate
 from margrpo_jax.config_files import ConfigError
 from margrpo_jax.data import shapes
 from margrpo_jax.models import families, vae
@@ -62,9 +62,13 @@ def train_step(graphdef, tx, config, state: dict, images: jax.Array):
   return dict(step=state["step"] + 1, params=params, opt=opt), dict(loss=loss, grad_norm=optim.global_norm(grads), **m)
 
 
+RANGES = dict(beta=(0, float("inf"), True, False))  # the job's own numbers: the KL weight
+
+
 def check(config) -> None:
   """The autoencoder config is a KL autoencoder that builds and runs its loss on one render (abstractly: shapes
   only, nothing computed); otherwise one sentence."""
+  config_files.check_ranges(config, RANGES, "")
   if config.model.family != "vae":
     raise ConfigError(f"config.model.family={config.model.family!r} must be 'vae': the tokenizer job trains a KL "
                       "autoencoder")

@@ -88,6 +88,10 @@ def names() -> list[str]:
   return sorted({*REWARDS, *LEARNED})
 
 
+# rewards.<learned reward>.<key> -> (low, high, low included, high included); validate.py checks each block
+SETTING_RANGES = dict(batch_size=(1, float("inf"), True, False), scale=(-float("inf"), float("inf"), False, False))
+
+
 def settings_config():
   """``config.rewards``: per learned reward its ``checkpoint`` and ``vocab`` ('' = not configured), ``batch_size``
   and the builder's options ('' = the builder's default; see clip_rewards / imagereward), so that every one can be

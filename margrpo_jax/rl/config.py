@@ -42,6 +42,13 @@ OPTIONS = dict(fidelity=FIDELITIES, advantage=advantages.KINDS, reward_norm=regi
                estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=ROLLOUT_POLICIES)
 STEP_OPTIONS = {k: v for k, v in {**loss_lib.OPTIONS, **batch_lib.OPTIONS}.items() if k != "logp"}  # logp: estimator's
 config_key = loss_lib.config_key  # rl.official.<switch> or rl.<key>
+# rl.<key> -> (low, high, low included, high included) of the numbers step_config reads (the step's own counts and
+# their combinations are checked in step_config, rl.flow_noise_level with the reason it needs noise)
+INF = float("inf")
+RANGES = dict(beta=(0, INF, True, False), clip_eps=(0, INF, True, False), adv_clip=(0, INF, True, False),
+              pretrain_mix=(0, INF, True, False), rollout_cfg_scale=(0, INF, True, False),
+              rollout_temperature=(0, INF, True, False), diversity_bonus=(0, INF, True, False),
+              export_interpolation=(0, 1, False, True), nft_strength=(0, 1, False, True), ema_decay=(0, 1, True, False))
 
 # rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14), those of
 # the rl.official block (loss.OFFICIAL_SWITCHES) and rl.diffusion_window, rl.clip_eps and, on NOVA,
@@ -108,6 +115,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
     if block_of(rl, name)[name] not in allowed:
       raise config_files.ConfigError(f"{config_key(name)}={block_of(rl, name)[name]!r} is not one of "
                                      f"{', '.join(allowed)}")
+  config_files.check_ranges(rl, RANGES, "rl.")
   if rl.group_size < 2 or rl.prompts_per_iter < 1:
     raise config_files.ConfigError(f"rl.group_size={rl.group_size} must be >= 2 and rl.prompts_per_iter="
                                    f"{rl.prompts_per_iter} >= 1 (group advantages need two images per prompt)")
@@ -192,10 +200,6 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   if rl.microbatch < 0 or (rl.microbatch and step_rows % rl.microbatch):
     raise config_files.ConfigError(f"rl.microbatch={rl.microbatch} must be 0 (all at once) or divide the "
                                    f"{step_rows} rows an optimizer step scores")
-  if not 0.0 < rl.nft_strength <= 1.0:
-    raise config_files.ConfigError(f"rl.nft_strength={rl.nft_strength} must lie in (0, 1]")
-  if not 0.0 <= rl.ema_decay < 1.0:
-    raise config_files.ConfigError(f"rl.ema_decay={rl.ema_decay} must lie in [0, 1) (0 = no EMA)")
   try:
     masked = objective.MaskedObjective.from_config(rl.mar_objective)
     objective.validate(masked, "rl.mar_objective.")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import chex
 import flax
@@ -38,6 +39,13 @@ from margrpo_jax import rng
 from margrpo_jax.diffusion import flow, gaussian
 from margrpo_jax.parallel import sharding
 from margrpo_jax.sampling import schedule as schedule_lib
+
+
+# sampling.<key> -> (low, high, low included, high included) of SamplerConfig's numbers (validate.py reads it);
+# flow_noise_level is NOVA's flow sampler's (sampling/nova.py): 0 the ODE, up to 1 Flow-GRPO's SDE
+RANGES = dict(num_steps=(1, math.inf, True, False), cfg_scale=(0, math.inf, True, False),
+              temperature=(0, math.inf, False, False), clip_denoised=(0, math.inf, True, False),
+              flow_noise_level=(0, 1, True, True))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,8 @@ import time
 import numpy as np
 import pytest
 
+from conftest import XLA_TEST_FLAGS
+
 pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them)
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -38,8 +40,8 @@ ORBAX = ("checkpoints/", "export/params")  # written by every process (each its 
 
 
 def _env(devices: int, **extra) -> dict:
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+  env = dict(os.environ, XLA_FLAGS=f"{XLA_TEST_FLAGS} --xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
   env.update(extra)
   return env
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from conftest import XLA_TEST_FLAGS
 from margrpo_jax.jobs import plan
 from margrpo_jax.models import class_mar, families
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
@@ -24,7 +25,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def checks():
-  env = dict(os.environ, XLA_FLAGS="", TF_CPP_MIN_LOG_LEVEL="2")
+  env = dict(os.environ, XLA_FLAGS=XLA_TEST_FLAGS, TF_CPP_MIN_LOG_LEVEL="2")  # + 8 devices (parallel_checks.py)
   proc = subprocess.run([sys.executable, str(HERE / "parallel_checks.py")], capture_output=True, text=True,
                         env=env, timeout=3600)  # ~10 min beside another test worker on 2 cores
   assert proc.returncode == 0, proc.stderr[-4000:]

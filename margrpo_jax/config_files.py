@@ -15,13 +15,11 @@ class ConfigError(UserError, ValueError):
   """A config value or combination that cannot work, in one sentence (the entry point exits with code 2)."""
 
 
-Range = tuple  # (low, high, low included, high included): a number's allowed span, declared by the code that reads it
-
-
 def check_ranges(block, ranges: dict, prefix: str) -> None:
-  """Each ``key -> Range`` of ``ranges`` that ``block`` (a config block) has must be a finite number inside its
-  span; a value outside is refused naming ``prefix + key``. The owners' tables: ``optim.RANGES``,
-  ``sampler.RANGES``, ``rl/config.py: RANGES``, ``registry.SETTING_RANGES``, validate.py's run-level keys."""
+  """Each ``key -> (low, high, low included, high included)`` of ``ranges`` that ``block`` (a config block) has
+  must be a finite number inside that span; a value outside is refused naming ``prefix + key``. The owners' tables:
+  ``optim.RANGES``, ``sampler.RANGES``, ``rl/config.py: RANGES``, ``registry.SETTING_RANGES``, the pretrain and
+  tokenizer jobs' ``RANGES``."""
   for key, (lo, hi, lo_in, hi_in) in ranges.items():
     v = block.get(key) if hasattr(block, "get") else None
     if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):

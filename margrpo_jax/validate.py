@@ -36,8 +36,6 @@ from margrpo_jax.rl import config as rl_config, estimators, lora, loss as loss_l
 from margrpo_jax.sampling import sampler, schedule
 from margrpo_jax.config_files import ConfigError
 
-INF = math.inf
-
 # The run-level keys (the config files' own, read by main and the jobs); each block's numbers are declared by the
 # code that reads them (OWNED_RANGES) and the RL step's by rl/config.py (step_config).
 # key -> smallest allowed integer (checked where the config has the key)

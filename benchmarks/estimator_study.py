@@ -134,6 +134,11 @@ CELLS = {
     "image_elbo_p16_anchor01": Cell("awm", (("rl.positive_only", True), ("rl.adv_clip", 0.0), ("rl.beta", 0.1)),
                                     "image ELBO, A >= 0, 16 x 8, squared-eps anchor to the base at beta 0.1",
                                     (16, 8)),
+    # n. dynamic sampling (DAPO): the filter trains only on mixed groups (an all-pass or all-fail group has zero
+    #    advantages), so more of them per step is more prompts per step, the one lever that moved the frontier.
+    #    24 prompts drawn per rollout, the 16 whose rewards vary most trained on (38,400 rollout images at 25,600)
+    "image_elbo_p16_dyn24": Cell("image_elbo", (("rl.rollout_prompts", 24),),
+                                 "image ELBO, A >= 0, 16 x 8 of 24 x 8 drawn (the most mixed groups)", (16, 8)),
 }
 
 

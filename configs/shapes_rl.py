@@ -78,6 +78,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       diversity_bonus=0.0,        # lam > 0: r_i + lam r_i (d_i / mean_g d - 1), d_i the latent distance of image i to
                                   # the other images of its prompt (rl/advantages.py; against mode-seeking filters)
       group_size=8, prompts_per_iter=4,
+      rollout_prompts=0,          # > prompts_per_iter: prompts drawn per rollout, of whose groups the update keeps the
+                                  # prompts_per_iter whose rewards vary most (DAPO's dynamic sampling: fewer
+                                  # all-pass / all-fail groups, which carry no signal); 0 = prompts_per_iter
       num_ar_steps=2,             # AR steps scored per rollout (official: 12 of 64; 2 of 16 keeps CPU iterations short)
       num_diffusion_steps=4,      # diffusion steps scored per AR step (official: 10; 0 = every window step)
       diffusion_window="1:-3",    # scored steps from list positions lo:hi of the chain (x_n -> x_{n+1}, Python

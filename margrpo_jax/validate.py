@@ -65,7 +65,7 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoi
 ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
               "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7, "rl.diversity_bonus": 0.0,
               "rl.rollout_cfg_scale": 0.0, "rl.rollout_temperature": 0.0, "rl.lora.rank": 0, "rl.lora.alpha": 0.0,
-              "rl.lora.targets": lora.DEFAULT_TARGETS}
+              "rl.lora.targets": lora.DEFAULT_TARGETS, "rl.rollout_prompts": 0}
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 # Keys moved in the schema: a run recorded under the old name resumes (the official code's switches moved into the
@@ -186,6 +186,10 @@ def check_mesh(config) -> None:
     if images % split or rows % split:
       raise ConfigError(f"rl.group_size x rl.prompts_per_iter = {images} images ({rows} per minibatch) cannot be "
                         f"split over the batch axes data x fsdp = {split} of parallel.mesh={shape}")
+    drawn = config.rl.group_size * config.rl.get("rollout_prompts", 0)
+    if drawn % split:
+      raise ConfigError(f"rl.group_size x rl.rollout_prompts = {drawn} rollout images cannot be split over the batch "
+                        f"axes data x fsdp = {split} of parallel.mesh={shape}")
   elif config.mode == "pretrain" and config.batch_size % split:
     raise ConfigError(f"batch_size={config.batch_size} cannot be split over the batch axes data x fsdp = {split} "
                       f"of parallel.mesh={shape}")

@@ -53,6 +53,7 @@ CASES = [
     ("minibatches", "main", [RL, "--config.rl.num_minibatches=3"], "rl.num_minibatches=3"),
     ("microbatch", "main", [RL, "--config.rl.microbatch=3"], "rl.microbatch=3"),
     ("elbo_rows", "main", [RL, "--config.rl.elbo_rows=100", "--config.rl.num_minibatches=8"], "rl.elbo_rows=100"),
+    ("rollout_prompts", "main", [RL, "--config.rl.rollout_prompts=2"], "rl.rollout_prompts=2"),
     ("ema", "main", [RL, "--config.rl.ema_decay=1.0"], "rl.ema_decay=1.0"),
     ("wise", "main", [RL, "--config.rl.export_interpolation=0"], "rl.export_interpolation=0"),
     ("beta", "main", [RL, "--config.rl.beta=-0.1"], "rl.beta=-0.1"),

@@ -94,3 +94,13 @@ def test_distinctness_bonus_ranks_the_passing_images_by_how_much_they_differ():
   np.testing.assert_array_equal(out[4:6], 0.0)
   assert out[6] == out[7]
   np.testing.assert_array_equal(advantages.with_distinctness(r, z, 4, 0.0), r)
+
+
+def test_informative_groups_keeps_the_most_mixed_groups_in_draw_order():
+  r = np.array([1, 1, 1, 1,  1, 0, 1, 1,  0, 0, 0, 0,  1, 0, 1, 0,  0, 0, 0, 1], np.float32)  # 5 groups of 4
+  np.testing.assert_array_equal(advantages.informative_groups(r, 4, 2), np.r_[4:8, 12:16])  # std .43, .5 > 0
+  rows = advantages.informative_groups(r, 4, 4)  # 3 mixed groups, then the first uniform one drawn (group 0)
+  np.testing.assert_array_equal(rows, np.r_[0:8, 12:20])
+  np.testing.assert_array_equal(advantages.informative_groups(r, 4, 5), np.arange(20))
+  with pytest.raises(ValueError):
+    advantages.informative_groups(r, 4, 6)

@@ -176,10 +176,10 @@ def setup(config, params_override=None, workdir: str | None = None) -> Setup:
 
 
 def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> dict:
-  """Iteration ``it``'s rollout: ``prompts_per_iter`` train prompts x ``group_size`` images, recorded, decoded
-  and rewarded, sampled from the model with ``policy`` (:meth:`Setup.model_params`: with LoRA the adapters merged
-  into the base, ``s.ref`` the base). Everything is a function of ``(config.seed, it)``."""
-  g, p = config.rl.group_size, config.rl.prompts_per_iter
+  """Iteration ``it``'s rollout: ``rl.rollout_prompts or rl.prompts_per_iter`` train prompts x ``group_size``
+  images, recorded, decoded and rewarded, sampled from the model with ``policy`` (:meth:`Setup.model_params`: with
+  LoRA the adapters merged into the base, ``s.ref`` the base). Everything is a function of ``(config.seed, it)``."""
+  g, p = config.rl.group_size, config.rl.rollout_prompts or config.rl.prompts_per_iter
   r = np.random.default_rng([config.seed, it])
   recs = [train_recs[i] for i in r.integers(len(train_recs), size=p) for _ in range(g)]
   prompts = [m["prompt"] for m in recs]
@@ -194,6 +194,20 @@ def rollout(config, s: Setup, policy: dict, train_recs: list[dict], it: int) -> 
   reward, parts = registry.compute(weights, images, [m["metadata"] for m in recs], prompts,
                                    settings=config.get("rewards"), normalize_each=config.rl.get("reward_norm", "none"))
   return dict(recs=recs, ids=ids, key=key, final=final, rec=rec, images=images, reward=reward, parts=parts)
+
+
+def informative(config, s: Setup, ro: dict) -> dict:
+  """The rollout ``ro`` cut to the ``rl.prompts_per_iter`` groups whose rewards vary most
+  (:func:`advantages.informative_groups`; ``rl.rollout_prompts`` over-draws); ``ro`` itself when it has no more."""
+  g, p = config.rl.group_size, config.rl.prompts_per_iter
+  if len(ro["reward"]) == g * p:
+    return ro
+  rows = advantages.informative_groups(ro["reward"], g, p)
+  glob = lambda x: sharding.to_global(sharding.to_host(x)[rows][sharding.host_rows(len(rows))],
+                                      sharding.batch_sharding(s.mesh, x.ndim))
+  return dict(ro, recs=[ro["recs"][i] for i in rows], ids=glob(ro["ids"]), final=glob(ro["final"]),
+              images=ro["images"][rows], reward=ro["reward"][rows], parts={k: np.asarray(v)[rows]
+                                                                         for k, v in ro["parts"].items()})
 
 
 def training_tokens(config, s: Setup, ro: dict):
@@ -229,11 +243,11 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   ``rl.shuffle_advantages``, the no-signal control), one jitted update. Returns ``(state, metrics, rollout)``;
   metrics are None (and only the step counter moves) when a reward is non-finite."""
   g = config.rl.group_size
-  ro = rollout(config, s, s.ref if config.rl.rollout_policy == "base" else state["policy"], train_recs, it)
-  reward = ro["reward"]
-  if not np.all(np.isfinite(reward)):
-    return dict(state, step=state["step"] + 1), None, ro
-  ids, tokens = ro["ids"], training_tokens(config, s, ro)
+  drawn = rollout(config, s, s.ref if config.rl.rollout_policy == "base" else state["policy"], train_recs, it)
+  if not np.all(np.isfinite(drawn["reward"])):
+    return dict(state, step=state["step"] + 1), None, drawn
+  ro = informative(config, s, drawn)
+  reward, ids, tokens = ro["reward"], ro["ids"], training_tokens(config, s, ro)
   if config.rl.diversity_bonus:
     reward = advantages.with_distinctness(reward, sharding.to_host(tokens), g, config.rl.diversity_bonus)
   adv = np.asarray(advantages.group_advantages(reward, g, config.rl.advantage))
@@ -245,13 +259,14 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
   state, m = s.step_fn(state, s.frozen, s.ref, ids, adv, ro["rec"], tokens, rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
-  if verifiable(s.model_cfg, ro["recs"]):
-    strict = ro["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](ro["images"],
-                                                                              [m["shapes"] for m in ro["recs"]]))
+  if verifiable(s.model_cfg, drawn["recs"]):  # the policy's own pass rate: over every image drawn
+    strict = drawn["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](
+        drawn["images"], [m["shapes"] for m in drawn["recs"]]))
     m["strict_pass"] = float(np.mean(strict))
-  m.update(reward=float(reward.mean()),
+  m.update(reward=float(drawn["reward"].mean()),
            group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))),
-           **{f"reward_{name}": float(np.mean(v)) for name, v in ro["parts"].items()})
+           informative_groups=float(np.mean(np.std(reward.reshape(-1, g), axis=1) > 0)),
+           **{f"reward_{name}": float(np.mean(v)) for name, v in drawn["parts"].items()})
   return state, m, ro
 
 

@@ -10,6 +10,10 @@ Constant rewards within a group give exactly zero advantages (never NaN).
 :func:`with_distinctness` (``rl.diversity_bonus = lam``) adds to each reward, in proportion to it, how much its
 image differs from the other images of its prompt: ``r_i + lam r_i (d_i / mean_g d - 1)``, ``d_i`` the mean
 distance of image ``i``'s latents to the group's others.
+
+:func:`informative_groups` (``rl.rollout_prompts > rl.prompts_per_iter``, DAPO's dynamic sampling by
+over-drawing): of the ``P'`` groups of a rollout, the ``P`` whose rewards vary most, so that fewer of the update's
+groups are all-pass or all-fail (zero advantages, no signal).
 """
 from __future__ import annotations
 
@@ -61,3 +65,13 @@ def with_distinctness(rewards, latents, group_size: int, weight: float) -> np.nd
   d = np.sqrt(((z[:, :, None] - z[:, None, :]) ** 2).sum(-1)).sum(-1) / (group_size - 1)  # (P, G)
   rel = d / np.maximum(d.mean(axis=1, keepdims=True), 1e-12) - 1.0
   return (r + weight * r * rel).reshape(-1).astype(np.asarray(rewards).dtype)
+
+
+def informative_groups(rewards, group_size: int, keep: int) -> np.ndarray:
+  """The rows (prompt-major, sorted) of the ``keep`` groups of ``rewards`` (``(P' * G,)``) with the largest reward
+  std; ties (e.g. every all-pass or all-fail group, std 0) keep the draw order."""
+  r = np.asarray(rewards, np.float64).reshape(-1, group_size)
+  if not 1 <= keep <= len(r):
+    raise ValueError(f"keep={keep} groups of {len(r)}")
+  groups = np.sort(np.argsort(-r.std(axis=1), kind="stable")[:keep])
+  return (groups[:, None] * group_size + np.arange(group_size)).reshape(-1)

@@ -116,9 +116,14 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
       raise config_files.ConfigError(f"{config_key(name)}={block_of(rl, name)[name]!r} is not one of "
                                      f"{', '.join(allowed)}")
   config_files.check_ranges(rl, RANGES, "rl.")
+  est = estimators.get(rl.estimator)
   if rl.group_size < 2 or rl.prompts_per_iter < 1:
     raise config_files.ConfigError(f"rl.group_size={rl.group_size} must be >= 2 and rl.prompts_per_iter="
                                    f"{rl.prompts_per_iter} >= 1 (group advantages need two images per prompt)")
+  if rl.rollout_prompts and (rl.rollout_prompts < rl.prompts_per_iter or est.READS_CHAINS):
+    raise config_files.ConfigError(f"rl.rollout_prompts={rl.rollout_prompts} must be 0 or at least rl.prompts_per_iter="
+                                   f"{rl.prompts_per_iter} (the groups the update keeps), with an estimator that does "
+                                   f"not score recorded chains (rl.estimator={rl.estimator!r})")
   images = rl.group_size * rl.prompts_per_iter
   if rl.num_inner < 1 or rl.num_minibatches < 1 or images % rl.num_minibatches:
     raise config_files.ConfigError(f"rl.num_inner={rl.num_inner} must be >= 1 and rl.num_minibatches="
@@ -132,7 +137,6 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                                    f"of sampling.num_steps={config.sampling.num_steps} (0 = every AR step)")
   num_ar = rl.num_ar_steps or ar_steps
   is_flow = head_kind(config, model_cfg) == "flow"
-  est = estimators.get(rl.estimator)
   est_logp = getattr(est, "BATCH_LOGP", "chain")
   scfg = sampler_lib.SamplerConfig(num_steps=config.sampling.num_steps,
                                    cfg_scale=rl.rollout_cfg_scale or config.sampling.cfg_scale,

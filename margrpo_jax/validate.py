@@ -284,7 +284,6 @@ def check_learned_rewards(config, names, why: str) -> None:
 
 
 def check_rl(config) -> None:
-  rl_config.step_config(config)
   weights = {k: v for k, v in config.rl.rewards.items() if v}
   if not weights:
     raise ConfigError("rl.rewards gives every reward weight 0: set at least one (e.g. rl.rewards.shapes_strict=1)")
@@ -311,10 +310,7 @@ def check_rl(config) -> None:
                         "(python -m margrpo_jax.convert)")
     model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
     _check_model(config, model_cfg, f"the model.json of {path}")
-  if estimators.get(config.rl.estimator).REENCODES and not cls.can_encode():
-    raise ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the images, and "
-                      f"the {model_cfg.family} family's image encoder is not implemented: use rl.estimator='chain'")
-  rl_config.step_config(config, model_cfg)  # with the base's own head (a flow head's rules: estimator, noise level)
+  rl_config.step_config(config, model_cfg)  # every rl.* option, with the base's own fields (head kind, encoder)
   if config.rl.pretrain_mix and (not estimators.get(config.rl.estimator).REENCODES
                                  or model_cfg.family != "tiny" or config.rl.prompt_file):
     raise ConfigError(f"rl.pretrain_mix={config.rl.pretrain_mix} renders shapes-world train images for the "

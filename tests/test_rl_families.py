@@ -12,6 +12,7 @@ import pytest
 from margrpo_jax import checkpoint, config_files
 from margrpo_jax.jobs import rl as rl_job
 from margrpo_jax.models import families, random_instance
+from margrpo_jax.rl import config as rl_config
 
 
 def _leaves(tree):
@@ -25,6 +26,7 @@ def test_tiny_family_rl_end_to_end(family, fidelity, tmp_path):
   config = config_files.load(family, "tiny")
   config.eval.update(num_prompts=2, batch_size=2)
   config.rl.fidelity = fidelity  # official NOVA: per-pixel U + 1 random pixel, unguided commit-time MTE, bf16 ...
+  rl_config.resolve_fidelity(config)  # as the entry point does
   wd = str(tmp_path / "w")
   resume = family == "nova" and fidelity == "intended"
   iters = 2 if resume else 1
@@ -62,7 +64,6 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   """``rl.fidelity=official`` on a flow-head model writes the official NOVA values (the pre-step mask, unguided
   commit-time MTE, channel mean, diffusion steps drawn per AR step, bfloat16 log-probs, U per latent pixel + 1
   random pixel) on top of the shared official switches; on Harmon the post-step mask (B1)."""
-  from margrpo_jax.rl import config as rl_config
   c = config_files.load("nova", "tiny")
   c.rl.fidelity = "official"
   rl_config.resolve_fidelity(c)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fake_gcs
-from margrpo_jax import checkpoint, config_files
+from margrpo_jax import checkpoint, config_files, main
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import rl as rl_job
 from margrpo_jax.models import families
@@ -72,7 +72,6 @@ def test_rl_killed_and_resumed_on_a_bucket_then_export_and_sample_jobs_there(loc
   """The RL job on a gs:// workdir (``tests/fake_gcs.py``), killed after its first checkpoint and resumed by the
   same command, then the export and sample jobs from that bucket: every file lands in the bucket, nothing in a
   local folder named after the URL, and the resumed run's final state equals the uninterrupted local run's."""
-  from margrpo_jax import main
   from margrpo_jax.jobs import export
   config, local, want = local_run
   config = copy.deepcopy(config)
@@ -176,11 +175,14 @@ def test_real_family_rl_needs_a_checkpoint():
 
 @pytest.mark.slow
 def test_official_fidelity_is_written_into_the_config_the_run_records(tmp_path, base, shapes_tfds):
-  """``rl.fidelity=official`` is resolved before anything runs: ``config.json`` holds the official switch values
-  the run used (no hidden override), and the step config is built from them."""
+  """``rl.fidelity=official`` is resolved once, by the entry point, before anything runs: ``config.json`` holds the
+  official switch values the run used (no hidden override), and the step config is built from them. A caller of
+  the job that skipped the resolution is refused in one sentence before the workdir is touched."""
   config = _config(base[0], fidelity="official")
   config.num_iters, config.tfds_dir = 1, shapes_tfds
-  rl_job.run(config, str(tmp_path / "w"))
+  with pytest.raises(config_files.ConfigError, match="rl.fidelity='official' was not resolved"):
+    rl_job.setup(copy.deepcopy(config))
+  main._dispatch(config, str(tmp_path / "w"))
   recorded = json.loads((tmp_path / "w" / "config.json").read_text())["rl"]
   assert {k: rl_config.block_of(recorded, k)[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
   sc = rl_config.step_config(config)

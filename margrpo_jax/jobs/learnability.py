@@ -22,6 +22,7 @@ from absl import logging
 
 from margrpo_jax import config_files, generate
 from margrpo_jax.rewards import registry
+from margrpo_jax.rl.config import resolve_fidelity
 from margrpo_jax.jobs import rl as rl_job
 from margrpo_jax.rl import prompts as rl_prompts
 
@@ -33,6 +34,7 @@ def rl_config(variant: str, reward: str, iters: int, overrides: dict | None = No
   c.rl.rewards[reward] = 1.0
   c.num_iters = iters
   c.update(overrides or {})
+  resolve_fidelity(c)  # e.g. the paper preset: the official switches, as the entry point writes them
   return c
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
 
-from margrpo_jax import checkpoint, config_files, fileio, generate, interrupt, optim, rng, validate
+from margrpo_jax import checkpoint, fileio, generate, interrupt, optim, rng, validate
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
@@ -148,16 +148,11 @@ def base_checkpoint(config, workdir: str | None = None) -> str:
 def setup(config, params_override=None, workdir: str | None = None) -> Setup:
   """Load the base (:func:`base_checkpoint`), place it on the mesh of ``config.parallel`` and build the static
   parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
-  static = rl_config.step_config(config)  # every RL option validated before anything is loaded
   model_cfg, graphdef, params = params_override or checkpoint.load_model(base_checkpoint(config, workdir))
   graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"))
-  if estimators.get(config.rl.estimator).REENCODES and not families.get(model_cfg.family).can_encode():
-    raise config_files.ConfigError(f"rl.estimator={config.rl.estimator!r} scores the tokenizer's re-encoding of the "
-                                   f"images, and the {model_cfg.family} family's image encoder is not implemented: "
-                                   "use rl.estimator='chain'")
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
-  static = rl_config.step_config(config, model_cfg)  # with the base's own fields
+  static = rl_config.step_config(config, model_cfg)  # validated (validate.check_rl did it before the entry point ran)
   params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
   lora_key = rng.stream(jax.random.key(config.seed), "lora")  # LoRA: A's draws
   policy, frozen = lora_lib.split(params, static.trainable, static.lora, lora_key)
@@ -275,9 +270,6 @@ MAX_SKIPPED = 3  # iterations in a row with a non-finite reward before the run s
 
 def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
-  for change in rl_config.resolve_fidelity(config):  # already done when the entry point read the config
-    logging.info("rl.fidelity='official' sets %s", change)
-  rl_config.step_config(config)  # a bad option is one sentence before the workdir is touched
   validate.begin_run(config, workdir)  # a rerun must be the same run
   writer = metric_writers.create_default_writer(workdir, just_logging=not hosts.is_main())
   s = setup(config, workdir=workdir)

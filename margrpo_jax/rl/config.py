@@ -77,24 +77,31 @@ def block_of(rl, name: str):
   return rl["official"] if name in loss_lib.OFFICIAL_SWITCHES else rl
 
 
-def resolve_fidelity(config) -> list[str]:
-  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` and ``config.rl.official`` (in
-  place), except the switches named in ``rl.official_except`` (comma-separated names; they keep their configured
-  value); returns the ``key=value`` assignments that changed something."""
+def official_values(config) -> dict:
+  """The switch values ``rl.fidelity`` asks for: :data:`OFFICIAL` (or :data:`OFFICIAL_NOVA`) without the switches
+  of ``rl.official_except``; none with 'intended'."""
   if config.rl.fidelity not in FIDELITIES:
     raise config_files.ConfigError(f"rl.fidelity={config.rl.fidelity!r} is not one of {', '.join(FIDELITIES)}")
   if config.rl.fidelity != "official":
     if str(config.rl.official_except).strip():
       raise config_files.ConfigError(f"rl.official_except={config.rl.official_except!r} only applies with "
                                      f"rl.fidelity='official' (it is {config.rl.fidelity!r})")
-    return []
+    return {}
   official = dict(OFFICIAL_NOVA if head_kind(config) == "flow" else OFFICIAL)
-  keep = [k.strip() for k in str(config.rl.official_except).split(",") if k.strip()]
-  for k in keep:
+  for k in (k.strip() for k in str(config.rl.official_except).split(",") if k.strip()):
     if k not in official:
       raise config_files.ConfigError(f"rl.official_except names {k!r}, not a switch of rl.fidelity='official' "
                                      f"(switches: {', '.join(official)})")
     del official[k]
+  return official
+
+
+def resolve_fidelity(config) -> list[str]:
+  """With ``rl.fidelity='official'``, write :data:`OFFICIAL` into ``config.rl`` and ``config.rl.official`` (in
+  place), except the switches named in ``rl.official_except`` (comma-separated names; they keep their configured
+  value); returns the ``key=value`` assignments that changed something. Done once, by the entry point
+  (``validate.check``); :func:`step_config` refuses a config it was not done to."""
+  official = official_values(config)
   for k in official:  # a value it overwrites must still have been a valid one
     if k in STEP_OPTIONS and block_of(config.rl, k)[k] not in STEP_OPTIONS[k]:
       raise config_files.ConfigError(f"{config_key(k)}={block_of(config.rl, k)[k]!r} is not one of "
@@ -116,6 +123,13 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
       raise config_files.ConfigError(f"{config_key(name)}={block_of(rl, name)[name]!r} is not one of "
                                      f"{', '.join(allowed)}")
   config_files.check_ranges(rl, RANGES, "rl.")
+  official = official_values(config)
+  unresolved = [k for k, v in official.items() if block_of(rl, k)[k] != v]
+  if unresolved:
+    k = unresolved[0]
+    raise config_files.ConfigError(f"rl.fidelity='official' was not resolved into this config ({config_key(k)}="
+                                   f"{block_of(rl, k)[k]!r}, official {official[k]!r}): the entry "
+                                   "point does it; a caller of the jobs runs rl_config.resolve_fidelity(config) first")
   est = estimators.get(rl.estimator)
   if rl.group_size < 2 or rl.prompts_per_iter < 1:
     raise config_files.ConfigError(f"rl.group_size={rl.group_size} must be >= 2 and rl.prompts_per_iter="
@@ -228,6 +242,10 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   if model_cfg is None:
     return sc
   family = families.get(model_cfg.family)
+  if est.REENCODES and not family.can_encode():
+    raise config_files.ConfigError(f"rl.estimator={rl.estimator!r} scores the tokenizer's re-encoding of the images, "
+                                   f"and the {model_cfg.family} family's image encoder is not implemented: use "
+                                   "rl.estimator='chain'")
   trainable = family.policy_components + (("head",) if rl.train_head else ())
   if lora_cfg.rank:  # every regex must match a 2-D parameter of the trained components (abstract shapes)
     params = nnx.to_pure_dict(nnx.state(families.abstract(model_cfg)))

@@ -20,7 +20,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mode = "pretrain"
   c.seed = 0
   c.model = tiny.tiny_config("" if "patches" in parts else "shapes_tokenizer")
-  c.data = dict(tfds_dir="")  # '' -> <workdir>/tfds
+  c.tfds_dir = ""  # where the shapes_world TFDS is built; '' = <workdir>/tfds
   c.batch_size = 64
   c.num_steps = 10000
   c.log_every = 50
@@ -38,7 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                     clip_denoised=1.0 if "patches" in parts else 5.0)
   # every `every` steps: `num_prompts` eval prompts; after the last step: `final_num_prompts` (0: all 512)
   c.eval = dict(every=1000, num_prompts=128, final_num_prompts=0, batch_size=64, seed=0)
-  c.checkpoint = dict(every=250, keep=3)
+  c.save = dict(every=250, keep=3)  # train-state checkpoints (Orbax) every N steps
   if "smoke" in parts:
     c.model.text.update(width=32, depth=1, num_heads=2)
     c.model.backbone.update(width=32, encoder_depth=1, decoder_depth=1, num_heads=2)
@@ -47,5 +47,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.warmup_steps = 2
     c.sampling.update(num_steps=4, diffusion_steps="5")
     c.eval.update(every=4, num_prompts=8, final_num_prompts=8, batch_size=8)
-    c.checkpoint.every = 2
+    c.save.every = 2
   return c

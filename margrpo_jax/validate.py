@@ -43,7 +43,7 @@ AT_LEAST = {
     "seed": 0, "num_iters": 1, "num_steps": 1, "batch_size": 1, "log_every": 1, "log_images_every": 1,
     "eval.batch_size": 1, "eval.num_prompts": 1, "eval.final_num_prompts": 0, "eval.seed": 0, "eval.every": 0,
     "eval.num_images": 1,
-    "save.every": 1, "save.keep": 1, "checkpoint.every": 1, "checkpoint.keep": 1, "grid_size": 0,
+    "save.every": 1, "save.keep": 1, "grid_size": 0,
     "max_prompts": 0, "images_per_prompt": 1, "per_category": 0, "table_every": 1, "parallel.init_timeout_s": 1,
 }
 MAX_SEED = 2 ** 31 - 1
@@ -57,8 +57,8 @@ OPTIONS = {
     "init": random_instance.INITS, "sampling.mask_schedule": sampler.MASK_SCHEDULES,
 }
 # keys a resumed run may change with --allow_changes: they extend it or change how it is run, not what it computes
-SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep", "checkpoint.every", "checkpoint.keep",
-                  "log_every", "log_images_every", "eval.batch_size", "tfds_dir", "data.tfds_dir", "export.dir",
+SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep",
+                  "log_every", "log_images_every", "eval.batch_size", "tfds_dir", "export.dir",
                   "export.dtype", "parallel.")
 # Keys added after runs were recorded, each with the value that computes what a run recorded without it did: such a
 # run resumes (or is read) under a newer version while the key keeps that value.
@@ -69,8 +69,10 @@ ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws"
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 # Keys moved in the schema: a run recorded under the old name resumes (the official code's switches moved into the
-# rl.official block).
-RENAMED_KEYS = {f"rl.{k}": f"rl.official.{k}" for k in loss_lib.OFFICIAL_SWITCHES}
+# rl.official block; pretraining's and the tokenizer's train-state saving took the RL job's name, so that
+# `checkpoint` always names a model export to load; pretraining's TFDS folder that of the other jobs).
+RENAMED_KEYS = {**{f"rl.{k}": f"rl.official.{k}" for k in loss_lib.OFFICIAL_SWITCHES},
+                "checkpoint.every": "save.every", "checkpoint.keep": "save.keep", "data.tfds_dir": "tfds_dir"}
 RESUMABLE = ("rl", "pretrain", "tokenizer")  # modes that checkpoint a train state in the workdir
 
 

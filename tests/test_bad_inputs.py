@@ -48,6 +48,7 @@ CASES = [
      "rl.official.uncertainty_unit='pixel'"),
     ("topk_random", "main", [RL, "--config.rl.official.topk_random=1"], "rl.official.topk_random=1"),
     ("old_switch_name", "main", [RL, "--config.rl.mte_actual=keep"], "it moved: --config.rl.official.mte_actual"),
+    ("old_save_name", "main", [PRETRAIN, "--config.checkpoint.every=2"], "it moved: --config.save.every"),
     ("fidelity", "main", [RL, "--config.rl.fidelity=exact"], "rl.fidelity='exact'"),
     ("window", "main", [RL, "--config.rl.diffusion_window=1-3"], "rl.diffusion_window='1-3'"),
     ("minibatches", "main", [RL, "--config.rl.num_minibatches=3"], "rl.num_minibatches=3"),

@@ -133,6 +133,21 @@ def test_resume_means_the_same_run(tmp_path):
     validate.begin_run(config, wd, allow_changes=True)  # what the run computes may not change
 
 
+def test_a_pretraining_run_recorded_under_the_old_key_names_resumes(tmp_path):
+  """``checkpoint.every / keep`` and ``data.tfds_dir`` (recorded before they took the RL job's names ``save.*`` and
+  ``tfds_dir``) are read under their new names: the same run resumes, a changed value is still refused."""
+  config = config_files.load("shapes_pretrain", "smoke")
+  wd = str(tmp_path / "w")
+  os.makedirs(os.path.join(wd, "checkpoints", "2"))
+  old = json.loads(config.to_json())
+  old["checkpoint"], old["data"] = old.pop("save"), dict(tfds_dir=old.pop("tfds_dir"))
+  (tmp_path / "w" / "config.json").write_text(json.dumps(old))
+  validate.begin_run(config, wd)
+  config.save.keep += 1
+  with pytest.raises(config_files.ConfigError, match=r"save.keep \(3 -> 4\)"):
+    validate.begin_run(config, wd)
+
+
 def test_an_export_whose_params_do_not_fit_its_model_json_is_one_sentence(tmp_path, small_model):
   cfg, _, params = small_model
   out = checkpoint.save_model(str(tmp_path / "export"), params, cfg)

@@ -120,7 +120,7 @@ def test_the_tokenizer_job_stops_cleanly_on_sigterm_and_the_rerun_resumes(tmp_pa
   and the same command resumes from that step."""
   w, name = tmp_path / "tok", tmp_path / "tok.log"
   cmd = [sys.executable, "-m", "margrpo_jax.main", "--config=configs/shapes_tokenizer.py:smoke",
-         "--config.num_steps=400", "--config.eval.every=0", "--config.checkpoint.every=1000", f"--workdir={w}"]
+         "--config.num_steps=400", "--config.eval.every=0", "--config.save.every=1000", f"--workdir={w}"]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
   with open(name, "w") as log:
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

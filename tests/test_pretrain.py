@@ -34,8 +34,8 @@ def test_loss_decreases_on_a_fixed_batch():
 
 def _run(workdir, max_steps=None):
   config = smoke_config()
-  config.num_steps, config.eval.every, config.checkpoint.every = 4, 0, 2
-  config.data.tfds_dir = str(workdir.parent / "tfds")
+  config.num_steps, config.eval.every, config.save.every = 4, 0, 2
+  config.tfds_dir = str(workdir.parent / "tfds")
   return pretrain.run(config, str(workdir), max_steps_this_run=max_steps)
 
 

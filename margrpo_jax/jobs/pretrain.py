@@ -105,14 +105,14 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   tiny.check_tokenizer(config.model, "config.model")  # a tokenizer that does not fit the model: one sentence
   validate.begin_run(config, workdir)  # a rerun must be the same run
   writer = metric_writers.create_default_writer(workdir, just_logging=not hosts.is_main())
-  data_dir = config.data.tfds_dir or os.path.join(workdir, "tfds")
+  data_dir = config.tfds_dir or os.path.join(workdir, "tfds")
   train_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "train", data_dir)]
   eval_recs = [r["metadata"] for r in tfds_builders.load_split("shapes_world", "eval", data_dir)]
 
   graphdef, tx, train_state = init_state(config)
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   train_state = jax.device_put(train_state, state_shardings(mesh, tx, train_state, config.parallel.rules))
-  mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.save.keep)
   restored, train_state = checkpoint.restore_latest(mngr, train_state)  # onto this run's mesh
   start = int(train_state["step"])
   if restored is not None:
@@ -148,7 +148,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         logging.info("step %d/%d loss %.4f grad_norm %.3f (%.1f min)", done, config.num_steps, m["loss"],
                      m["grad_norm"], (time.time() - t0) / 60)
       stop = done % config.log_every == 0 and interrupt.requested()  # polled where the step syncs anyway
-      if done % config.checkpoint.every == 0 or done == end or stop:
+      if done % config.save.every == 0 or done == end or stop:
         checkpoint.save_state(mngr, done, train_state, f"the pretraining state at step {done}")
       if stop and done < end:
         checkpoint.wait(mngr)

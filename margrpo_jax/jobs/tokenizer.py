@@ -132,7 +132,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
   params = nnx.to_pure_dict(st)
   tx = optim.make(config.optim, TRAINABLE, config.num_steps)
   state = dict(step=jnp.int32(0), params=params, opt=tx.init(params))
-  mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), keep=config.save.keep)
   restored, state = checkpoint.restore_latest(mngr, state)
   start = int(state["step"])
   if restored is not None:
@@ -156,7 +156,7 @@ def run(config, workdir: str, max_steps_this_run: int | None = None) -> dict:
         logging.info("step %d/%d loss %.4f l1 %.4f kl %.3f latent std %.3f (%.1f min)", done, config.num_steps,
                      m["loss"], m["l1"], m["kl"], m["latent_std"], (time.time() - t0) / 60)
       stop = done % config.log_every == 0 and interrupt.requested()  # polled where the step syncs anyway
-      if done % config.checkpoint.every == 0 or done == end or stop:
+      if done % config.save.every == 0 or done == end or stop:
         checkpoint.save_state(mngr, done, state, f"the tokenizer state at step {done}")
       if stop and done < end:
         checkpoint.wait(mngr)

@@ -139,6 +139,10 @@ CELLS = {
     #    24 prompts drawn per rollout, the 16 whose rewards vary most trained on (38,400 rollout images at 25,600)
     "image_elbo_p16_dyn24": Cell("image_elbo", (("rl.rollout_prompts", 24),),
                                  "image ELBO, A >= 0, 16 x 8 of 24 x 8 drawn (the most mixed groups)", (16, 8)),
+    # o. the drift the positive-only filter cannot cancel: the worse images pushed down only while the policy finds
+    #    them likelier than the base does (a hinge at the reference: bounded, unlike signed weights)
+    "image_elbo_p16_hinge": Cell("image_elbo", (("rl.estimator", "elbo_hinge"), ("rl.positive_only", False)),
+                                 "image ELBO on A > 0, a hinge to the base on A < 0, 16 x 8", (16, 8)),
 }
 
 

@@ -91,7 +91,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       loss_tokens="unknown",      # 'unknown' (paper: every not-yet-known token) | 'decoded' (committed tokens only)
       estimator="chain",          # the image's log-likelihood (margrpo_jax/rl/estimators/): 'chain' (its recorded
                                   # transitions, the paper) | 'token_elbo' (each committed token's head ELBO, q-MTE) |
-                                  # 'image_elbo' (MAR's training ELBO of the re-encoded image) | 'awm' | 'nft'
+                                  # 'image_elbo' (MAR's training ELBO of the re-encoded image) | 'awm' | 'nft' |
+                                  # 'elbo_hinge' (image_elbo + a hinge to the base on the worse images)
       adv_clip=0.0,               # > 0: advantages clipped to [-adv_clip, adv_clip] (AWM: 1)
       anchor="ref",               # awm / nft: the model the update is held to: 'ref' (the base) | 'ema' | 'rollout'
       nft_strength=1.0,           # nft: eps_+- = eps_old +- s (eps_theta - eps_old), s in (0, 1]

@@ -18,9 +18,9 @@ ADV = jnp.array([1.7, -0.4, 0.6, -2.0])
 
 
 def test_registry_names_and_what_each_reads():
-  assert estimators.NAMES == ("chain", "token_elbo", "image_elbo", "awm", "nft")
-  assert [estimators.get(n).READS_CHAINS for n in estimators.NAMES] == [True, True, False, False, False]
-  assert [estimators.get(n).REENCODES for n in estimators.NAMES] == [False, False, True, True, True]
+  assert estimators.NAMES == ("chain", "token_elbo", "image_elbo", "awm", "nft", "elbo_hinge")
+  assert [estimators.get(n).READS_CHAINS for n in estimators.NAMES] == [True, True, False, False, False, False]
+  assert [estimators.get(n).REENCODES for n in estimators.NAMES] == [False, False, True, True, True, True]
   with pytest.raises(ValueError, match="rl.estimator='reinforce' is not one of chain, token_elbo"):
     estimators.get("reinforce")
 
@@ -130,6 +130,27 @@ def test_forward_estimators_state_their_gradients(images):
 
   got = _grad(lambda p: estimators.get("nft").loss(ctx, p, block, d)[0], policy)
   np.testing.assert_allclose(got, _grad(first_order, policy), rtol=1e-4, atol=1e-7)
+
+
+def test_elbo_hinge_pushes_a_failing_image_back_only_while_it_is_likelier_than_under_the_reference(images):
+  """elbo_hinge: grad = mean_i A_i^+ grad l_i - mean_i A_i^- 1[l_i < l_i^ref] grad l_i (formula written here);
+  at the reference itself every hinge is closed, so only the better images move the policy."""
+  graphdef, params, ids, final, _, _ = images
+  obj = objective.MaskedObjective(label_drop=0.0)
+  ctx, policy, frozen, anchor = _ctx(graphdef, params, "elbo_hinge", objective=obj)
+  d = forward.draw(obj, ctx.train_diff, final, jax.random.key(5))
+  block, est = step_lib.Block(ids, ADV, final), estimators.get("elbo_hinge")
+  l = lambda p: forward.per_image(gaussian.training_loss(
+      ctx.train_diff, forward.head_out(graphdef, {**frozen, **p}, ids, final, d), final, d.x_t, d.t, d.noise), d)
+  pos, neg, open_ = jnp.maximum(ADV, 0), jnp.maximum(-ADV, 0), l(policy) < l(anchor)
+  got = _grad(lambda p: est.loss(ctx, p, block, d)[0], policy)
+  np.testing.assert_allclose(got, _grad(lambda p: jnp.mean(pos * l(p) - neg * open_ * l(p)), policy),
+                             rtol=1e-4, atol=1e-7)
+  at_ref = dataclasses.replace(ctx, anchors=dict(ctx.anchors, ref=policy))
+  loss, m = est.loss(at_ref, policy, block, d)
+  assert float(m["hinge_active"]) == 0.0 and float(m["kl"]) == 0.0
+  np.testing.assert_allclose(_grad(lambda p: est.loss(at_ref, p, block, d)[0], policy),
+                             _grad(lambda p: jnp.mean(pos * l(p)), policy), rtol=1e-4, atol=1e-7)
 
 
 def test_forward_update_scores_the_heaviest_rows_with_several_draws(images):

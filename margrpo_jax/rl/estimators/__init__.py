@@ -7,6 +7,7 @@ r"""The likelihood estimators of the RL update, one module each, selected by ``r
 | ``image_elbo`` | MAR's training loss of the re-encoded image, advantage-weighted (RAFT when positive-only) | no | re-encoded |
 | ``awm`` | the same with signed, clipped advantages and an anchor | no | re-encoded |
 | ``nft`` | DiffusionNFT's implicit positive / negative regression | no | re-encoded |
+| ``elbo_hinge`` | ``image_elbo`` on the better images, a hinge to the reference on the worse | no | re-encoded |
 
 Each module states its gradient. ``READS_CHAINS``: the rollout records its chains (``sampling.sampler.Record``)
 and the update builds its batch from them (``rl/batch.py``, the loss in ``rl/loss.py``); otherwise the rollout
@@ -16,9 +17,9 @@ update scores the tokenizer's re-encoding of the decoded images instead of the s
 """
 from __future__ import annotations
 
-from margrpo_jax.rl.estimators import awm, chain, image_elbo, nft, token_elbo
+from margrpo_jax.rl.estimators import awm, chain, elbo_hinge, image_elbo, nft, token_elbo
 
-ESTIMATORS = {m.NAME: m for m in (chain, token_elbo, image_elbo, awm, nft)}
+ESTIMATORS = {m.NAME: m for m in (chain, token_elbo, image_elbo, awm, nft, elbo_hinge)}
 NAMES = tuple(ESTIMATORS)
 
 

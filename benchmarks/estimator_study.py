@@ -143,6 +143,11 @@ CELLS = {
     #    them likelier than the base does (a hinge at the reference: bounded, unlike signed weights)
     "image_elbo_p16_hinge": Cell("image_elbo", (("rl.estimator", "elbo_hinge"), ("rl.positive_only", False)),
                                  "image ELBO on A > 0, a hinge to the base on A < 0, 16 x 8", (16, 8)),
+    # p. more prompts per step again (16 -> 32, the lever that moved the frontier from 8 -> 16), each update scoring
+    #    only the 128 images of largest weight (positive-only weights leave about half at 0): the main job's update
+    #    cost, twice its rollouts (51,200 images, about 13 minutes of training alone)
+    "image_elbo_p32_r128": Cell("image_elbo", (("rl.elbo_rows", 128),),
+                                "image ELBO, A >= 0, 32 prompts x 8 per step, the 128 heaviest images scored", (32, 8)),
 }
 
 

@@ -258,9 +258,9 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
     strict = drawn["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](
         drawn["images"], [m["shapes"] for m in drawn["recs"]]))
     m["strict_pass"] = float(np.mean(strict))
-  m.update(reward=float(drawn["reward"].mean()),
-           group_diversity=float(np.mean(np.std(reward.reshape(-1, g), axis=1))),
-           informative_groups=float(np.mean(np.std(reward.reshape(-1, g), axis=1) > 0)),
+  spread = np.std(reward.reshape(-1, g), axis=1)  # per trained group
+  m.update(reward=float(drawn["reward"].mean()), group_diversity=float(spread.mean()),
+           informative_groups=float(np.mean(spread > 0)),
            **{f"reward_{name}": float(np.mean(v)) for name, v in drawn["parts"].items()})
   return state, m, ro
 

@@ -139,8 +139,35 @@ def plan_checks(out):
     out[f"plan/{family}"] = plan.plan(c)
 
 
+def activation_checks(out):
+  """The temporaries of a backbone forward on FSDP-sharded parameters (1 x 8 mesh, 16 images), traced plainly and
+  traced on the mesh (``sharding.traced_on``: every block's output pinned to the batch axes)."""
+  from flax import nnx
+  from margrpo_jax.models import families
+  config = smoke_config()
+  mesh = mesh_lib.make_mesh(dict(data=1, fsdp=8, tensor=1))
+  graphdef, state = nnx.split(families.abstract(config.model))
+  params = nnx.to_pure_dict(state)
+  bb = nnx.merge(graphdef, state).backbone
+  args = (jax.ShapeDtypeStruct((16, config.model.text.max_len), jnp.int32),
+          jax.ShapeDtypeStruct((16, bb.seq_len, bb.token_dim), jnp.float32),
+          jax.ShapeDtypeStruct((16, bb.seq_len), bool))
+
+  def forward(p, ids, canvas, mask):
+    m = nnx.merge(graphdef, p)
+    return m.backbone(canvas, mask, m.condition(ids))
+
+  shardings = (sharding.param_shardings(mesh, params, sharding.hashable_rules(config.parallel.rules)),
+               sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 3), sharding.batch_sharding(mesh, 2))
+  temp = lambda f: int(jax.jit(f, in_shardings=shardings).lower(params, *args).compile()
+                       .memory_analysis().temp_size_in_bytes)
+  out["activations/temp_plain"] = temp(forward)
+  out["activations/temp_traced_on_mesh"] = temp(sharding.traced_on(forward, mesh))
+
+
 def main():
   out = {"devices": len(jax.devices())}
+  activation_checks(out)
   plan_checks(out)
   config = smoke_config()
   config.model.update(dict(backbone=dict(width=32, encoder_depth=1, decoder_depth=1, num_heads=2)))

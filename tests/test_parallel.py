@@ -76,6 +76,14 @@ def test_restore_onto_another_mesh(checks, target):
 
 
 @pytest.mark.slow  # the 8-device subprocess
+def test_activations_stay_split_over_the_batch_axes(checks):
+  """On FSDP-sharded parameters the partitioner, left alone, follows the ``embed`` split and holds every image's
+  activations on every device; traced on the mesh (``sharding.constrain_batch`` on each block's output) a device
+  holds its own images' only: the forward's temporaries at most half (measured: 0.35x on the small model)."""
+  assert checks["activations/temp_traced_on_mesh"] <= 0.5 * checks["activations/temp_plain"]
+
+
+@pytest.mark.slow  # the 8-device subprocess
 @pytest.mark.parametrize("model", ["shapes", "harmon", "nova"])
 def test_plan_compiles_the_sharded_steps(checks, model):
   """The sharded rollout and RL step compile on a 2 x 4 mesh: the shapes model (bfloat16 compute), and the tiny

@@ -62,7 +62,8 @@ def make_step_fn(graphdef, tx, config, mesh=None, state=None):
     return jax.jit(fn, donate_argnums=0)
   st = state_shardings(mesh, tx, state, config.parallel.rules)
   batch = dict(ids=sharding.batch_sharding(mesh, 2), tokens=sharding.batch_sharding(mesh, 3))
-  return jax.jit(fn, in_shardings=(st, batch), out_shardings=(st, sharding.replicated(mesh)), donate_argnums=0)
+  return jax.jit(sharding.traced_on(fn, mesh), in_shardings=(st, batch), out_shardings=(st, sharding.replicated(mesh)),
+                 donate_argnums=0)
 
 
 def train_step(graphdef, tx, diff, config, state: dict, batch: dict):

@@ -7,9 +7,14 @@ are deterministic.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from margrpo_jax.parallel import sharding
 
 xavier = nnx.initializers.xavier_uniform()
 
@@ -74,12 +79,47 @@ class Block(nnx.Module):
     return x + self.mlp(self.norm2(x))
 
 
+_REMAT = contextvars.ContextVar("remat_blocks", default=False)
+
+
+@contextlib.contextmanager
+def remat_blocks(on: bool = True):
+  """While tracing inside this context, :func:`scan_blocks` recomputes each block in the backward pass."""
+  token = _REMAT.set(on)
+  try:
+    yield
+  finally:
+    _REMAT.reset(token)
+
+
+def remat_if_on(fn, prevent_cse: bool = True):
+  """``fn`` recomputed in the backward pass (``jax.checkpoint``) when traced inside :func:`remat_blocks`, else
+  ``fn`` itself."""
+  return jax.checkpoint(fn, prevent_cse=prevent_cse) if _REMAT.get() else fn
+
+
+def run_block(block, x: jax.Array, *args, batch_first: bool = True) -> jax.Array:
+  """``block(x, *args)``, recomputed in the backward pass inside :func:`remat_blocks` (the pass then keeps only
+  ``x`` and ``args``), its output split over the batch axes when ``batch_first`` (``x`` is (B, N, D):
+  :func:`sharding.constrain_batch`)."""
+  graphdef, state = nnx.split(block)
+  out = remat_if_on(lambda state, x, *args: nnx.merge(graphdef, state)(x, *args))(state, x, *args)
+  return sharding.constrain_batch(out) if batch_first else out
+
+
 def scan_blocks(blocks, x: jax.Array, *args) -> jax.Array:
   """``x <- block(x, *args)`` for each of the identical ``blocks`` in turn, as one ``lax.scan`` over their stacked
   parameters: the compiled program holds one block, not ``len(blocks)`` (compile time; every AR-step shape of the
-  sampler is its own program)."""
+  sampler is its own program). The carry ``x`` (B, N, D) stays split over the batch axes
+  (:func:`sharding.constrain_batch`); inside :func:`remat_blocks` the backward pass keeps only each block's input
+  (B, N, D) and recomputes the rest (attention probabilities, MLP hiddens: (B, heads, N, N) and (B, N, 4D) per
+  block otherwise)."""
   if len(blocks) == 0:
     return x
   graphdef = nnx.split(blocks[0])[0]
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *[nnx.split(b)[1] for b in blocks])
-  return jax.lax.scan(lambda h, state: (nnx.merge(graphdef, state)(h, *args), None), x, stacked)[0]
+
+  def body(h, state):
+    return sharding.constrain_batch(nnx.merge(graphdef, state)(h, *args)), None
+
+  return jax.lax.scan(remat_if_on(body, prevent_cse=False), sharding.constrain_batch(x), stacked)[0]

@@ -42,7 +42,7 @@ from flax import nnx
 
 from margrpo_jax.models import families, phi2, vae
 from margrpo_jax.models.diffusion_head import timestep_embedding
-from margrpo_jax.models.layers import Attention, linear, Mlp
+from margrpo_jax.models.layers import Attention, linear, Mlp, run_block
 from margrpo_jax.sampling import nova as nova_sampling
 
 # variant -> width, heads, (head depth, head width), image token grid, video grid (t, h, w), VAE scale
@@ -148,11 +148,11 @@ class VisionTransformer(nnx.Module):
     if known is not None:
       key_mask = jnp.concatenate([jnp.ones(c.shape[:2], bool), known], axis=1)
       for blk in blocks[:self.encoder_depth]:
-        h = blk(h, key_mask)
+        h = run_block(blk, h, key_mask)
       h = jnp.concatenate([h[:, :p], jnp.where(known[..., None], h[:, p:], x)], axis=1)
       blocks = blocks[self.encoder_depth:]
     for blk in blocks:
-      h = blk(h)
+      h = run_block(blk, h)
     return self.norm(h[:, p:])
 
 
@@ -275,7 +275,7 @@ class DiffusionMLP(nnx.Module):
     cond = self.time_cond_embed(jnp.asarray(t, jnp.float32), z)
     h = self.patch_embed(x)
     for blk in self.blocks:
-      h = blk(h, cond)
+      h = run_block(blk, h, cond, batch_first=False)
     return self.head(self.norm(h, cond)[0])
 
 

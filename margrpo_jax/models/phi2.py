@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from margrpo_jax.models.layers import linear
+from margrpo_jax.models.layers import linear, run_block
 
 
 def phi2_config(**overrides) -> ml_collections.ConfigDict:
@@ -116,7 +116,7 @@ class Phi2(nnx.Module):
     chex.assert_rank(ids, 2)
     x = self.embed_tokens(ids)
     for layer in self.layers:
-      x = layer(x)
+      x = run_block(layer, x)
     out = self.final_layernorm(x)
     chex.assert_shape(out, ids.shape + (self.width,))
     return out

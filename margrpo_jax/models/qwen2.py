@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from margrpo_jax.models.layers import run_block
+
 # Qwen2.5-{0.5B,1.5B}-Instruct (docs/models.md section 2.1): hidden, layers, q heads, kv heads, head dim, FFN
 SIZES = {"0.5b": (896, 24, 14, 2, 64, 4864), "1.5b": (1536, 28, 12, 2, 128, 8960)}
 VOCAB = 151936
@@ -137,6 +139,6 @@ class Qwen2Model(nnx.Module):
     x, hidden = inputs_embeds, []
     for layer in self.layers:
       hidden.append(x)
-      x = layer(x, positions, allowed)
+      x = run_block(layer, x, positions, allowed)
     x = self.norm(x)
     return (x, tuple(hidden) + (x,)) if output_hidden_states else x

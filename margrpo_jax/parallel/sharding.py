@@ -10,6 +10,9 @@ Optimizer state is sharded like its parameters (``optax.tree_map_params``); batc
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 import re
 
@@ -119,6 +122,42 @@ def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
   spec = [None] * ndim
   spec[axis] = BATCH_AXES
   return NamedSharding(mesh, P(*spec))
+
+
+_ACTIVATION_MESH = contextvars.ContextVar("activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activations_on(mesh: Mesh | None):
+  """While tracing inside this context, :func:`constrain_batch` pins activations to ``mesh``'s batch axes."""
+  token = _ACTIVATION_MESH.set(mesh)
+  try:
+    yield
+  finally:
+    _ACTIVATION_MESH.reset(token)
+
+
+def traced_on(fn, mesh: Mesh | None):
+  """``fn`` traced inside :func:`activations_on` ``(mesh)`` (wrap a function before ``jax.jit``)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with activations_on(mesh):
+      return fn(*args, **kwargs)
+  wrapped.__name__ = getattr(getattr(fn, "func", fn), "__name__", "fn")  # a partial's function (jit's name)
+  return wrapped
+
+
+def constrain_batch(x, axis: int = 0):
+  """``x`` with dimension ``axis`` split over the batch axes of the mesh being traced on (:func:`traced_on`), or
+  ``x`` unchanged (no mesh, one batch shard, or a size they do not divide). Without it the partitioner may
+  follow the FSDP parameters' ``embed`` split and hold every image's activations on every device."""
+  mesh = _ACTIVATION_MESH.get()
+  if mesh is None:
+    return x
+  shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  if shards == 1 or x.shape[axis] % shards:
+    return x
+  return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis))
 
 
 def microbatch(x, c, n: int, axis: int = 0):

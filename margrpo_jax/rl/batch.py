@@ -290,10 +290,10 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       rz_c = gz(ref_model.backbone(canvas, ~visible, ref_cond))
       rz_u = gz(ref_model.backbone(canvas, ~visible, ref_model.null_condition(b))) if lcfg.cfg_in_loss else None
       nn = jnp.broadcast_to(n_sel[:, None, None], x_t.shape[:-1])
-      bk = lambda z: None if z is None else jnp.broadcast_to(z, (n_sel.shape[0],) + z.shape)
-      _, ref_mean, ref_std = sampler_lib.transition_logp(
-          ref_model, diff, x_t, x_prev, nn, bk(rz_c), bk(rz_u), rec.cfg[i] if lcfg.cfg_in_loss else None,
-          lcfg.temperature, lcfg.clip_denoised)
+      # one diffusion step at a time: the head's temporaries of one step (B P rows), not of all k at once
+      _, ref_mean, ref_std = jax.lax.map(lambda a: sampler_lib.transition_logp(
+          ref_model, diff, *a, rz_c, rz_u, rec.cfg[i] if lcfg.cfg_in_loss else None, lcfg.temperature,
+          lcfg.clip_denoised), (x_t, x_prev, nn))
     else:
       ref_mean, ref_std = jnp.zeros_like(x_t), jnp.ones_like(x_t)
     return dict(common, j=t_count - 1 - n_sel, x_t=x_t, x_prev=x_prev, old_logp=logp[n_sel], ref_mean=ref_mean,

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from margrpo_jax.diffusion import flow, gaussian
+from margrpo_jax.models import layers
 from margrpo_jax.parallel import sharding
 from margrpo_jax.sampling.sampler import head_output, transition_logp
 
@@ -152,17 +153,23 @@ def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
   scale = batch.cfg[i] if cfg.cfg_in_loss else None
   reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
 
-  def score(xt, xp, zc, zu):  # (k, B, N, C) transitions under latents (B, N, D) -> per-element logp, mean, std
-    jj = jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1])
-    bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
+  def score_at(xt, xp, j, zc, zu):  # transitions (..., C) at steps j (...) under latents (..., D)
     if cfg.logp == "elbo":  # x_t noised final tokens, x_prev their noise: l = -1/2 |eps_hat - eps|^2 per level
-      t = jnp.asarray(diff.timesteps, jnp.int32)[jj]
-      eps = gaussian.split_output(head_output(model, xt, t, bk(zc), bk(zu), scale))[0]
+      eps = gaussian.split_output(head_output(model, xt, jnp.asarray(diff.timesteps, jnp.int32)[j], zc, zu,
+                                              scale))[0]
       return -0.5 * (eps - xp) ** 2, eps, jnp.ones_like(eps)
-    _, mean, std = transition_logp(model, diff, xt, xp, diff.num_steps - 1 - jj, bk(zc), bk(zu), scale,
-                                   cfg.temperature, cfg.clip_denoised)
+    _, mean, std = transition_logp(model, diff, xt, xp, diff.num_steps - 1 - j, zc, zu, scale, cfg.temperature,
+                                   cfg.clip_denoised)
     std = std if cfg.sigma_grad else jax.lax.stop_gradient(std)
     return flow.transition_logprob(xp, mean, std), mean, std
+
+  def score(xt, xp, zc, zu):  # (k, B, N, C) transitions under latents (B, N, D) -> per-element logp, mean, std
+    if cfg.remat:  # one diffusion step at a time, recomputed in the backward pass: the head's activations of
+                   # B N rows, not of k B N
+      one = lambda a: score_at(a[0], a[1], jnp.broadcast_to(a[2], a[0].shape[:-1]), zc, zu)
+      return jax.lax.map(jax.checkpoint(one), (xt, xp, batch.j[i]))
+    bk = lambda z: None if z is None else jnp.broadcast_to(z, (k,) + z.shape)
+    return score_at(xt, xp, jnp.broadcast_to(batch.j[i][:, None, None], xt.shape[:-1]), bk(zc), bk(zu))
 
   c = batch.x_t.shape[-1]
   old_scale = 1.0 if cfg.channel_reduction == "sum" else 1.0 / c
@@ -230,14 +237,15 @@ def loss_fn(model, diff, cfg: LossConfig, batch: TrainBatch, steps=None, norm=No
   terms = lambda i: step_terms(model, diff, cfg, batch, i, cond, null)  # one backbone forward each
   if cfg.remat:  # keep only each step's inputs for the backward pass: activation memory of one AR step
     terms = jax.checkpoint(terms)
-  if steps is None:  # all M steps: a scan, so the program holds one backbone, not M
-    tot, _ = jax.lax.scan(lambda acc, i: (jax.tree.map(jnp.add, acc, terms(i)), None), terms(0),
-                          jnp.arange(1, batch.j.shape[0]))
-  else:
-    tot = None
-    for i in steps:
-      t = terms(i)
-      tot = t if tot is None else jax.tree.map(jnp.add, tot, t)
+  with layers.remat_blocks(cfg.remat):  # ... and, inside it, of one transformer block
+    if steps is None:  # all M steps: a scan, so the program holds one backbone, not M
+      tot, _ = jax.lax.scan(lambda acc, i: (jax.tree.map(jnp.add, acc, terms(i)), None), terms(0),
+                            jnp.arange(1, batch.j.shape[0]))
+    else:
+      tot = None
+      for i in steps:
+        t = terms(i)
+        tot = t if tot is None else jax.tree.map(jnp.add, tot, t)
   policy_count, kl_count = (tot["policy_count"], tot["kl_count"]) if norm is None else norm
   per = lambda x, n: x / jnp.maximum(n, 1.0)
   policy, kl = per(tot["policy_sum"], policy_count), per(tot["kl_sum"], kl_count)

@@ -328,7 +328,8 @@ def _jitted(graphdef, dkey, cfg: SamplerConfig, record: bool, mesh=None, rules=N
   params = sharding.param_shardings(mesh, sharding.abstract(sig), rules)
   ids = sharding.batch_sharding(mesh, ids_ndim)
   out = (sharding.batch_sharding(mesh, 3), Record.shardings(mesh) if record else None)
-  return jax.jit(fn, in_shardings=(params, ids, sharding.replicated(mesh)), out_shardings=out)
+  return jax.jit(sharding.traced_on(fn, mesh), in_shardings=(params, ids, sharding.replicated(mesh)),
+                 out_shardings=out)
 
 
 _DIFFS: dict = {}

@@ -84,7 +84,8 @@ _REMAT = contextvars.ContextVar("remat_blocks", default=False)
 
 @contextlib.contextmanager
 def remat_blocks(on: bool = True):
-  """While tracing inside this context, :func:`scan_blocks` recomputes each block in the backward pass."""
+  """While tracing inside this context, :func:`scan_blocks` and :func:`run_block` recompute each block in the
+  backward pass."""
   token = _REMAT.set(on)
   try:
     yield

@@ -42,7 +42,7 @@ from flax import nnx
 
 from margrpo_jax.models import families, phi2, vae
 from margrpo_jax.models.diffusion_head import timestep_embedding
-from margrpo_jax.models.layers import Attention, linear, Mlp, run_block
+from margrpo_jax.models.layers import Attention, linear, Mlp, run_block, scan_blocks
 from margrpo_jax.sampling import nova as nova_sampling
 
 # variant -> width, heads, (head depth, head width), image token grid, video grid (t, h, w), VAE scale
@@ -147,12 +147,10 @@ class VisionTransformer(nnx.Module):
     blocks = list(self.blocks)
     if known is not None:
       key_mask = jnp.concatenate([jnp.ones(c.shape[:2], bool), known], axis=1)
-      for blk in blocks[:self.encoder_depth]:
-        h = run_block(blk, h, key_mask)
+      h = scan_blocks(blocks[:self.encoder_depth], h, key_mask)
       h = jnp.concatenate([h[:, :p], jnp.where(known[..., None], h[:, p:], x)], axis=1)
       blocks = blocks[self.encoder_depth:]
-    for blk in blocks:
-      h = run_block(blk, h)
+    h = scan_blocks(blocks, h)  # one lax.scan per group: a sharded run gathers one block's weights at a time
     return self.norm(h[:, p:])
 
 

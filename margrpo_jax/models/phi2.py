@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from margrpo_jax.models.layers import linear, run_block
+from margrpo_jax.models.layers import linear, scan_blocks
 
 
 def phi2_config(**overrides) -> ml_collections.ConfigDict:
@@ -115,9 +115,7 @@ class Phi2(nnx.Module):
     """Token ids (B, T) -> last hidden states (B, T, width)."""
     chex.assert_rank(ids, 2)
     x = self.embed_tokens(ids)
-    for layer in self.layers:
-      x = run_block(layer, x)
-    out = self.final_layernorm(x)
+    out = self.final_layernorm(scan_blocks(self.layers, x))  # a sharded run gathers one layer at a time
     chex.assert_shape(out, ids.shape + (self.width,))
     return out
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from margrpo_jax.models.layers import run_block
+from margrpo_jax.models.layers import run_block, scan_blocks
 
 # Qwen2.5-{0.5B,1.5B}-Instruct (docs/models.md section 2.1): hidden, layers, q heads, kv heads, head dim, FFN
 SIZES = {"0.5b": (896, 24, 14, 2, 64, 4864), "1.5b": (1536, 28, 12, 2, 128, 8960)}
@@ -136,6 +136,8 @@ class Qwen2Model(nnx.Module):
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     allowed = jnp.tril(jnp.ones((s, s), bool))[None] & valid[:, None, :]
+    if not output_hidden_states:  # one lax.scan: a sharded run gathers one layer's weights at a time
+      return self.norm(scan_blocks(self.layers, inputs_embeds, positions, allowed))
     x, hidden = inputs_embeds, []
     for layer in self.layers:
       hidden.append(x)

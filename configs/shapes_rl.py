@@ -141,7 +141,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_minibatches=1,          # optimizer steps per pass, each on consecutive blocks of the iteration's images
       microbatch=0,               # > 0: an optimizer step's images scored this many at a time, gradients summed
                                   # (exact; the activation memory of one microbatch); 0 = all at once
-      remat=False,                # recompute each scored AR step in the backward pass (memory of one step; real sizes)
+      remat=False,                # recompute each scored AR step, each block, each diffusion step in the backward pass
+                                  # (memory; real sizes)
       compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
                                   # and eval); params, grads, optimizer state and log-probs stay float32
                                   # (models/precision.py)

@@ -199,6 +199,9 @@ def test_microbatches_sum_to_the_one_shot_update(images, name):
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
   for k in ("loss", "policy", "kl", "mar_loss", "grad_norm"):
     np.testing.assert_allclose(float(m[k]), float(w[k]), rtol=1e-4, atol=1e-7, err_msg=k)
+  if name == "image_elbo":  # rl.remat (each transformer block recomputed in the backward pass): the same update
+    ctx = dataclasses.replace(ctx, sc=dataclasses.replace(ctx.sc, loss=dataclasses.replace(ctx.sc.loss, remat=True)))
+    np.testing.assert_allclose(update(2)[0], want, rtol=1e-4, atol=1e-7)
 
 
 def test_nft_regresses_towards_a_bounded_target(images):

@@ -38,6 +38,7 @@ from flax import nnx
 
 from margrpo_jax import optim
 from margrpo_jax.diffusion import flow, gaussian
+from margrpo_jax.models import layers
 from margrpo_jax.parallel import sharding
 from margrpo_jax.rl import batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib
 from margrpo_jax.rl.estimators import forward as forward_lib
@@ -197,10 +198,11 @@ def forward_update(graphdef, tx, train_diff, sc: StepConfig, state, frozen, ref,
     parts = num_parts(b.adv.shape[0], sc.microbatch)
 
     def chunk(p, c):  # the estimators' losses are means over rows: a microbatch's is weighted by its share
-      if parts == 1:
-        return est.loss(ctx, p, b, d)
-      part = Block(*(sharding.microbatch(x, c, parts) for x in (b.ids, b.adv, b.tokens)))
-      return jax.tree.map(lambda x: x / parts, est.loss(ctx, p, part, d.microbatch(c, parts)))
+      with layers.remat_blocks(sc.loss.remat):  # rl.remat: each transformer block recomputed in the backward pass
+        if parts == 1:
+          return est.loss(ctx, p, b, d)
+        part = Block(*(sharding.microbatch(x, c, parts) for x in (b.ids, b.adv, b.tokens)))
+        return jax.tree.map(lambda x: x / parts, est.loss(ctx, p, part, d.microbatch(c, parts)))
     (loss, m), grads = accumulate(chunk, state["policy"], parts)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
     policy = jax.tree.map(jnp.add, state["policy"], updates)

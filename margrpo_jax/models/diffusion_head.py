@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from margrpo_jax.models.layers import layer_norm, linear, run_block
+from margrpo_jax.models.layers import layer_norm, linear
 
 zeros = nnx.initializers.zeros_init()
 
@@ -78,5 +78,5 @@ class SimpleMLPAdaLN(nnx.Module):
     y = self.time_embed(t) + self.cond_embed(z)
     x = self.input_proj(x)
     for blk in self.res_blocks:
-      x = run_block(blk, x, y, batch_first=False)  # rows (..., C) of any layout: no batch split here
+      x = blk(x, y)
     return self.final_layer(x, y)

@@ -84,28 +84,12 @@ _REMAT = contextvars.ContextVar("remat_blocks", default=False)
 
 @contextlib.contextmanager
 def remat_blocks(on: bool = True):
-  """While tracing inside this context, :func:`scan_blocks` and :func:`run_block` recompute each block in the
-  backward pass."""
+  """While tracing inside this context, :func:`scan_blocks` recomputes each block in the backward pass."""
   token = _REMAT.set(on)
   try:
     yield
   finally:
     _REMAT.reset(token)
-
-
-def remat_if_on(fn, prevent_cse: bool = True):
-  """``fn`` recomputed in the backward pass (``jax.checkpoint``) when traced inside :func:`remat_blocks`, else
-  ``fn`` itself."""
-  return jax.checkpoint(fn, prevent_cse=prevent_cse) if _REMAT.get() else fn
-
-
-def run_block(block, x: jax.Array, *args, batch_first: bool = True) -> jax.Array:
-  """``block(x, *args)``, recomputed in the backward pass inside :func:`remat_blocks` (the pass then keeps only
-  ``x`` and ``args``), its output split over the batch axes when ``batch_first`` (``x`` is (B, N, D):
-  :func:`sharding.constrain_batch`)."""
-  graphdef, state = nnx.split(block)
-  out = remat_if_on(lambda state, x, *args: nnx.merge(graphdef, state)(x, *args))(state, x, *args)
-  return sharding.constrain_batch(out) if batch_first else out
 
 
 def scan_blocks(blocks, x: jax.Array, *args) -> jax.Array:
@@ -123,4 +107,6 @@ def scan_blocks(blocks, x: jax.Array, *args) -> jax.Array:
   def body(h, state):
     return sharding.constrain_batch(nnx.merge(graphdef, state)(h, *args)), None
 
-  return jax.lax.scan(remat_if_on(body, prevent_cse=False), sharding.constrain_batch(x), stacked)[0]
+  if _REMAT.get():
+    body = jax.checkpoint(body, prevent_cse=False)
+  return jax.lax.scan(body, sharding.constrain_batch(x), stacked)[0]

@@ -42,7 +42,7 @@ from flax import nnx
 
 from margrpo_jax.models import families, phi2, vae
 from margrpo_jax.models.diffusion_head import timestep_embedding
-from margrpo_jax.models.layers import Attention, linear, Mlp, run_block, scan_blocks
+from margrpo_jax.models.layers import Attention, linear, Mlp, scan_blocks
 from margrpo_jax.sampling import nova as nova_sampling
 
 # variant -> width, heads, (head depth, head width), image token grid, video grid (t, h, w), VAE scale
@@ -273,7 +273,7 @@ class DiffusionMLP(nnx.Module):
     cond = self.time_cond_embed(jnp.asarray(t, jnp.float32), z)
     h = self.patch_embed(x)
     for blk in self.blocks:
-      h = run_block(blk, h, cond, batch_first=False)
+      h = blk(h, cond)
     return self.head(self.norm(h, cond)[0])
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from margrpo_jax.models.layers import run_block, scan_blocks
+from margrpo_jax.models.layers import scan_blocks
 
 # Qwen2.5-{0.5B,1.5B}-Instruct (docs/models.md section 2.1): hidden, layers, q heads, kv heads, head dim, FFN
 SIZES = {"0.5b": (896, 24, 14, 2, 64, 4864), "1.5b": (1536, 28, 12, 2, 128, 8960)}
@@ -141,6 +141,6 @@ class Qwen2Model(nnx.Module):
     x, hidden = inputs_embeds, []
     for layer in self.layers:
       hidden.append(x)
-      x = run_block(layer, x, positions, allowed)
+      x = layer(x, positions, allowed)
     x = self.norm(x)
     return (x, tuple(hidden) + (x,)) if output_hidden_states else x

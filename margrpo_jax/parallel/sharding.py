@@ -124,24 +124,25 @@ def batch_sharding(mesh: Mesh, ndim: int, axis: int = 0) -> NamedSharding:
   return NamedSharding(mesh, P(*spec))
 
 
-_ACTIVATION_MESH = contextvars.ContextVar("activation_mesh", default=None)
+_TRACED_ON = contextvars.ContextVar("traced_on", default=(None, ()))
 
 
 @contextlib.contextmanager
-def activations_on(mesh: Mesh | None):
-  """While tracing inside this context, :func:`constrain_batch` pins activations to ``mesh``'s batch axes."""
-  token = _ACTIVATION_MESH.set(mesh)
+def activations_on(mesh: Mesh | None, rules=()):
+  """While tracing inside this context, :func:`constrain_batch` pins activations to ``mesh``'s batch axes and
+  :func:`constrain_params` parameters computed inside the program to their ``rules``' shardings."""
+  token = _TRACED_ON.set((mesh, rules))
   try:
     yield
   finally:
-    _ACTIVATION_MESH.reset(token)
+    _TRACED_ON.reset(token)
 
 
-def traced_on(fn, mesh: Mesh | None):
-  """``fn`` traced inside :func:`activations_on` ``(mesh)`` (wrap a function before ``jax.jit``)."""
+def traced_on(fn, mesh: Mesh | None, rules=()):
+  """``fn`` traced inside :func:`activations_on` ``(mesh, rules)`` (wrap a function before ``jax.jit``)."""
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with activations_on(mesh):
+    with activations_on(mesh, rules):
       return fn(*args, **kwargs)
   wrapped.__name__ = getattr(getattr(fn, "func", fn), "__name__", "fn")  # a partial's function (jit's name)
   return wrapped
@@ -151,13 +152,23 @@ def constrain_batch(x, axis: int = 0):
   """``x`` with dimension ``axis`` split over the batch axes of the mesh being traced on (:func:`traced_on`), or
   ``x`` unchanged (no mesh, one batch shard, or a size they do not divide). Without it the partitioner may
   follow the FSDP parameters' ``embed`` split and hold every image's activations on every device."""
-  mesh = _ACTIVATION_MESH.get()
+  mesh = _TRACED_ON.get()[0]
   if mesh is None:
     return x
   shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
   if shards == 1 or x.shape[axis] % shards:
     return x
   return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis))
+
+
+def constrain_params(params):
+  """``params`` computed inside a program (LoRA's merged kernels) pinned to their own shardings under the rules
+  being traced with (:func:`traced_on`), or unchanged without a mesh. Without it the partitioner may hold every
+  merged kernel whole on every device."""
+  mesh, rules = _TRACED_ON.get()
+  if mesh is None:
+    return params
+  return jax.lax.with_sharding_constraint(params, param_shardings(mesh, params, rules))
 
 
 def microbatch(x, c, n: int, axis: int = 0):

@@ -83,10 +83,17 @@ def make_chain(sc: StepConfig):
   return gaussian.make_diffusion(sc.num_train_steps, sc.respacing)
 
 
+def assemble(frozen, policy, sc: StepConfig) -> dict:
+  """The model's parameters, :func:`lora.assemble`; with LoRA the merged kernels pinned to their base kernels'
+  shardings (:func:`sharding.constrain_params`)."""
+  params = lora_lib.assemble(frozen, policy, sc.lora)
+  return sharding.constrain_params(params) if sc.lora.rank else params
+
+
 def build_batch(graphdef, diff, sc: StepConfig, policy, frozen, ref, ids, adv, rec, final, key):
   """The gradient-free half of an update: ``(TrainBatch, info)`` (MTE chains, selection, reference)."""
-  model = nnx.merge(graphdef, lora_lib.assemble(frozen, policy, sc.lora))
-  ref_model = nnx.merge(graphdef, lora_lib.assemble(frozen, ref, sc.lora))
+  model = nnx.merge(graphdef, assemble(frozen, policy, sc))
+  ref_model = nnx.merge(graphdef, assemble(frozen, ref, sc))
   return batch_lib.build(model, ref_model, diff, sc.sampler, sc.batch, sc.loss, rec, final, ids, adv, key)
 
 
@@ -116,7 +123,7 @@ def update(graphdef, tx, diff, sc: StepConfig, state, frozen, batch: loss_lib.Tr
 
     def chunk(p, c):
       part = sub if parts == 1 else sub.microbatch(c, parts)
-      return loss_lib.loss_fn(nnx.merge(graphdef, lora_lib.assemble(frozen, p, sc.lora)), diff, sc.loss, part, steps,
+      return loss_lib.loss_fn(nnx.merge(graphdef, assemble(frozen, p, sc)), diff, sc.loss, part, steps,
                               norm)
     (loss, m), grads = accumulate(chunk, state["policy"], parts)
     updates, opt = tx.update(grads, state["opt"], state["policy"])
@@ -161,7 +168,7 @@ class Context:
 
   def params(self, policy: dict) -> dict:
     """The model's parameters with ``policy`` (the trained one, or an anchor): :func:`lora.assemble`."""
-    return lora_lib.assemble(self.frozen, policy, self.sc.lora)
+    return assemble(self.frozen, policy, self.sc)
 
 
 def heaviest_rows(fc: forward_lib.ForwardConfig, ids, adv, tokens):
@@ -268,6 +275,6 @@ def compiled_step(graphdef, sc: StepConfig, mesh=None, rules=None, sigs=None):
   if mesh is None:
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)
-  return tx, jax.jit(sharding.traced_on(fn, mesh), donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim,
+  return tx, jax.jit(sharding.traced_on(fn, mesh, rules), donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim,
                                                             ema=bool(sc.ema_decay), records=sc.reads_chains,
                                                             lora=bool(sc.lora.rank)))

@@ -275,6 +275,6 @@ def compiled_step(graphdef, sc: StepConfig, mesh=None, rules=None, sigs=None):
   if mesh is None:
     return tx, jax.jit(fn, donate_argnums=0)
   policy, frozen = (sharding.abstract(sig) for sig in sigs)
-  return tx, jax.jit(sharding.traced_on(fn, mesh, rules), donate_argnums=0, **step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim,
-                                                            ema=bool(sc.ema_decay), records=sc.reads_chains,
-                                                            lora=bool(sc.lora.rank)))
+  shardings = step_shardings(mesh, rules, tx, policy, frozen, sc.ids_ndim, ema=bool(sc.ema_decay),
+                             records=sc.reads_chains, lora=bool(sc.lora.rank))
+  return tx, jax.jit(sharding.traced_on(fn, mesh, rules), donate_argnums=0, **shardings)

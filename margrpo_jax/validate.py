@@ -65,7 +65,7 @@ SAFE_TO_CHANGE = ("num_iters", "num_steps", "save.every", "save.keep",
 ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws": 1, "rl.microbatch": 0,
               "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7, "rl.diversity_bonus": 0.0,
               "rl.rollout_cfg_scale": 0.0, "rl.rollout_temperature": 0.0, "rl.lora.rank": 0, "rl.lora.alpha": 0.0,
-              "rl.lora.targets": lora.DEFAULT_TARGETS, "rl.rollout_prompts": 0}
+              "rl.lora.targets": lora.DEFAULT_TARGETS, "rl.rollout_prompts": 0, "rl.augment": "none"}
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 # Keys moved in the schema: a run recorded under the old name resumes (the official code's switches moved into the
@@ -318,6 +318,11 @@ def check_rl(config) -> None:
     raise ConfigError(f"rl.pretrain_mix={config.rl.pretrain_mix} renders shapes-world train images for the "
                       "update: it needs a forward-process estimator (image_elbo, awm, nft), the shapes-world base "
                       "and its own train prompts (no rl.prompt_file)")
+  if config.rl.augment != "none" and (not estimators.get(config.rl.estimator).REENCODES
+                                      or model_cfg.family != "tiny"):
+    raise ConfigError(f"rl.augment={config.rl.augment!r} moves the decoded images before they are re-encoded, and "
+                      "finds their content with the shapes verifier: it needs a forward-process estimator (image_elbo, "
+                      "awm, nft) and the shapes-world base")
   verifier = next((k for k in weights if k in registry.NEEDS_SHAPES), None)
   if verifier and model_cfg.family != "tiny":
     raise ConfigError(f"rl.rewards.{verifier} is a shapes-world verifier reward, but the base is a "

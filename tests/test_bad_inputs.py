@@ -57,6 +57,8 @@ CASES = [
     ("rollout_prompts", "main", [RL, "--config.rl.rollout_prompts=2"], "rl.rollout_prompts=2"),
     ("ema", "main", [RL, "--config.rl.ema_decay=1.0"], "rl.ema_decay=1.0"),
     ("wise", "main", [RL, "--config.rl.export_interpolation=0"], "rl.export_interpolation=0"),
+    ("augment_chain", "main", [RL, "--config.rl.estimator=chain", "--config.rl.elbo_rows=0",
+                               "--config.rl.augment=shift"], "rl.augment='shift'"),
     ("beta", "main", [RL, "--config.rl.beta=-0.1"], "rl.beta=-0.1"),
     ("clip_eps", "main", [RL, "--config.rl.clip_eps=nan"], "rl.clip_eps=nan"),
     ("no_reward", "main", [RL, "--config.rl.rewards.shapes_strict=0"], "rl.rewards"),

@@ -21,7 +21,7 @@ from margrpo_jax import config_files, optim, validate
 from margrpo_jax.jobs import rl as rl_job
 from margrpo_jax.models import families, objective, precision, random_instance
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import advantages, config as rl_config, estimators
+from margrpo_jax.rl import advantages, augment, config as rl_config, estimators
 from margrpo_jax.sampling import sampler, schedule
 
 CONFIGS = [("shapes_rl", "smoke"), ("shapes_rl", "paper,smoke"), ("shapes_rl", "image_elbo,smoke"),
@@ -167,6 +167,11 @@ def test_every_host_side_choice_runs_in_its_consumer(tmp_path):
   for kind in advantages.KINDS:
     adv = np.asarray(advantages.group_advantages(rewards, 4, kind))
     assert adv.shape == (8,) and np.isfinite(adv).all() and abs(adv[:4].sum()) < 1e-5
+  images = np.zeros((2, 32, 32, 3), np.uint8)
+  images[:, 4:9, 4:9] = 255
+  for kind in augment.KINDS:
+    moved = augment.apply(kind, images, np.random.default_rng(0))
+    assert moved.shape == images.shape and moved.sum() == images.sum()
   for how in registry.NORMALIZE:
     assert np.isfinite(registry.normalize(rewards, how)).all()
   for name in estimators.NAMES:

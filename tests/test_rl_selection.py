@@ -22,6 +22,7 @@ def test_advantages_by_hand():
   # RLOO: r_i - mean of the other three.
   np.testing.assert_allclose(advantages.group_advantages(r, 4, "rloo")[4:], [3 - 5 / 3, 1 - 7 / 3, 2 - 2, 2 - 2],
                              rtol=1e-6)
+  np.testing.assert_allclose(advantages.group_advantages(r, 4, "sign"), [1, -1, -1, 1, 1, -1, 0, 0])
   with pytest.raises(ValueError):
     advantages.group_advantages(r, 4, "ppo")
 
@@ -104,3 +105,28 @@ def test_informative_groups_keeps_the_most_mixed_groups_in_draw_order():
   np.testing.assert_array_equal(advantages.informative_groups(r, 4, 5), np.arange(20))
   with pytest.raises(ValueError):
     advantages.informative_groups(r, 4, 6)
+
+
+def test_shift_augmentation_keeps_every_object_and_the_reward():
+  """``rl.augment='shift'``: each rendered scene moves (most by a nonzero offset), nothing is cut or wrapped, and the
+  verifier finds the same objects moved by one offset, so strict pass and partial score are unchanged."""
+  from margrpo_jax.data import shapes
+  from margrpo_jax.rewards import shapes_verifier
+  from margrpo_jax.rl import augment
+  recs = shapes.split_records("val")[::16][:32]
+  images = shapes.render_batch(recs, 0)
+  moved = augment.apply("shift", images, np.random.default_rng(0))
+  assert moved.shape == images.shape and moved.dtype == images.dtype
+  assert np.mean([np.any(a != b) for a, b in zip(images, moved)]) > 0.8
+  for a, b, r in zip(images, moved, recs):
+    assert np.sum(a) == np.sum(b)  # a roll: the same pixels
+    va, vb = shapes_verifier.verify(a, r), shapes_verifier.verify(b, r)
+    assert (va["strict"], va["partial"]) == (vb["strict"], vb["partial"])
+    oa, ob = shapes_verifier.find_objects(a)[0], shapes_verifier.find_objects(b)[0]
+    assert sorted((o["class"], o["area"]) for o in oa) == sorted((o["class"], o["area"]) for o in ob)
+    shift = {tuple(np.subtract(q["centroid"], p["centroid"]).round(6)) for p, q in
+             zip(sorted(oa, key=lambda o: o["class"]), sorted(ob, key=lambda o: o["class"]))}
+    assert len(shift) <= 1
+  assert np.array_equal(augment.apply("none", images, np.random.default_rng(0)), images)
+  blank = np.zeros((1, 32, 32, 3), np.uint8)
+  assert np.array_equal(augment.apply("shift", blank, np.random.default_rng(0)), blank)

@@ -39,8 +39,8 @@ from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
 from margrpo_jax.parallel import hosts, mesh as mesh_lib, sharding
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import (advantages, config as rl_config, estimators, lora as lora_lib, prompts as rl_prompts,
-                            step as step_lib)
+from margrpo_jax.rl import (advantages, augment, config as rl_config, estimators, lora as lora_lib,
+                            prompts as rl_prompts, step as step_lib)
 from margrpo_jax.sampling import sampler as sampler_lib
 
 
@@ -205,13 +205,15 @@ def informative(config, s: Setup, ro: dict) -> dict:
                                                                          for k, v in ro["parts"].items()})
 
 
-def training_tokens(config, s: Setup, ro: dict):
+def training_tokens(config, s: Setup, ro: dict, it: int):
   """The tokens the update scores: the rollout's own, or, for an estimator that re-encodes, the tokenizer's latents
-  of the decoded images the reward saw."""
+  of the decoded images the reward saw (moved as ``rl.augment`` says, rl/augment.py)."""
   if not estimators.get(config.rl.estimator).REENCODES:
     return ro["final"]
   family = families.get(s.model_cfg.family)
-  local = np.asarray(family.encode_images(s.model_cfg, ro["images"][sharding.host_rows(len(ro["images"]))]))
+  images = ro["images"][sharding.host_rows(len(ro["images"]))]
+  images = augment.apply(config.rl.augment, images, np.random.default_rng([config.seed, it, 2, jax.process_index()]))
+  local = np.asarray(family.encode_images(s.model_cfg, images))
   return sharding.to_global(local, sharding.batch_sharding(s.mesh, 3))
 
 
@@ -242,7 +244,7 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   if not np.all(np.isfinite(drawn["reward"])):
     return dict(state, step=state["step"] + 1), None, drawn
   ro = informative(config, s, drawn)
-  reward, ids, tokens = ro["reward"], ro["ids"], training_tokens(config, s, ro)
+  reward, ids, tokens = ro["reward"], ro["ids"], training_tokens(config, s, ro, it)
   if config.rl.diversity_bonus:
     reward = advantages.with_distinctness(reward, sharding.to_host(tokens), g, config.rl.diversity_bonus)
   adv = np.asarray(advantages.group_advantages(reward, g, config.rl.advantage))

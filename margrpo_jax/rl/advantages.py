@@ -4,6 +4,9 @@ r"""Group-relative advantages over ``G`` images per prompt (rewards laid out pro
   official trainers compute it.
 * ``drgrpo``: ``A = r - mean_g r`` (Dr. GRPO: no std normalisation).
 * ``rloo``:   ``A = r - (sum_g r - r) / (G - 1)`` (leave-one-out baseline).
+* ``sign``:   ``A = sign(r - mean_g r)``: every image better than its group's mean weighs the same (with
+  ``rl.positive_only``, RAFT's uniform weights on the filtered images), where ``grpo`` gives a group's lone passing
+  image sqrt(G - 1) times the weight of each image of a half-passing group.
 
 Constant rewards within a group give exactly zero advantages (never NaN).
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("grpo", "drgrpo", "rloo")
+KINDS = ("grpo", "drgrpo", "rloo", "sign")
 
 
 def group_advantages(rewards, group_size: int, kind: str = "grpo", eps: float = 1e-4):
@@ -34,6 +37,8 @@ def group_advantages(rewards, group_size: int, kind: str = "grpo", eps: float = 
     adv = (r - mean) / (jnp.std(r, axis=1, ddof=1, keepdims=True) + eps)
   elif kind == "drgrpo":
     adv = r - mean
+  elif kind == "sign":
+    adv = jnp.sign(r - mean)
   else:
     adv = r - (r.sum(axis=1, keepdims=True) - r) / (group_size - 1)
   return adv.reshape(-1)

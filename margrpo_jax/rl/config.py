@@ -16,7 +16,7 @@ from margrpo_jax import config_files
 from margrpo_jax.diffusion import gaussian
 from margrpo_jax.models import families, objective
 from margrpo_jax.rewards import registry
-from margrpo_jax.rl import (advantages, batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib,
+from margrpo_jax.rl import (advantages, augment, batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib,
                             step as step_lib)
 from margrpo_jax.rl.estimators import forward as forward_lib
 from margrpo_jax.sampling import sampler as sampler_lib, schedule as schedule_lib
@@ -39,7 +39,8 @@ ROLLOUT_POLICIES = ("policy", "base")   # rl.rollout_policy: the rollouts' sampl
 # The rl.* option strings read outside the step's dataclasses, each tuple owned by the code that dispatches on it;
 # the dataclasses' own (:data:`STEP_OPTIONS`, from rl/loss.py and rl/batch.py) are checked by step_config too.
 OPTIONS = dict(fidelity=FIDELITIES, advantage=advantages.KINDS, reward_norm=registry.NORMALIZE,
-               estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=ROLLOUT_POLICIES)
+               estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=ROLLOUT_POLICIES,
+               augment=augment.KINDS)
 STEP_OPTIONS = {k: v for k, v in {**loss_lib.OPTIONS, **batch_lib.OPTIONS}.items() if k != "logp"}  # logp: estimator's
 config_key = loss_lib.config_key  # rl.official.<switch> or rl.<key>
 # rl.<key> -> (low, high, low included, high included) of the numbers step_config reads (the step's own counts and

@@ -35,6 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
 
 from margrpo_jax import checkpoint, config_files, fileio, metrics  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
@@ -148,6 +149,20 @@ CELLS = {
     #    cost, twice its rollouts (51,200 images, about 13 minutes of training alone)
     "image_elbo_p32_r128": Cell("image_elbo", (("rl.elbo_rows", 128),),
                                 "image ELBO, A >= 0, 32 prompts x 8 per step, the 128 heaviest images scored", (32, 8)),
+    # q. where the diversity goes: the spread of a first object's centroid over a prompt's images falls from 5.4 to
+    #    2.0 pixels (two-object prompts; single-object 5.8 -> 2.9) while the objects' areas keep theirs: the filter
+    #    and the self-training loop fix the layout. Each trained-on image rolled to a random place that keeps all of
+    #    it in the frame (the reward unchanged, rl/augment.py) before it is re-encoded
+    "image_elbo_p16_shift": Cell("image_elbo", (("rl.augment", "shift"),),
+                                 "image ELBO, A >= 0, 16 x 8, images shifted at random before re-encoding", (16, 8)),
+    # r. sharpening without memorising lone winners: grpo's weights give a group's only passing image sqrt(7) = 2.65
+    #    times the weight of each image of a half-passing group, so each step fits a few drawn variants hard;
+    #    RAFT's uniform weights (rl.advantage='sign' with A >= 0) fit every passing image alike
+    "image_elbo_p16_sign": Cell("image_elbo", (("rl.advantage", "sign"),),
+                                "image ELBO, 16 x 8, uniform weights on the better images (RAFT)", (16, 8)),
+    "image_elbo_p32_r128_shift": Cell("image_elbo", (("rl.elbo_rows", 128), ("rl.augment", "shift")),
+                                      "image ELBO, A >= 0, 32 x 8, the 128 heaviest, images shifted at random",
+                                      (32, 8)),
 }
 
 
@@ -244,7 +259,8 @@ def study(args):
   for which, sampling in variants.items():
     base_measure(args.record, args.split, which, sampling, sample_seeds)
   for i, (name, seed, control) in enumerate(runs):
-    tag = dict(cell=name, seed=seed, control=control, split=args.split, seeds=sample_seeds, images=args.budget)
+    images = args.at_iters * np.prod(CELLS[name].batch) if args.at_iters else args.budget
+    tag = dict(cell=name, seed=seed, control=control, split=args.split, seeds=sample_seeds, images=int(images))
     done = {r["sampling"] for r in read_jsonl(results) if all(r.get(k) == v for k, v in tag.items())}
     wise = [a for a in alphas if not any(all(r.get(k) == v for k, v in dict(tag, cell=wise_name(name, a)).items())
                                          for r in read_jsonl(results))]
@@ -253,14 +269,22 @@ def study(args):
     wd = os.path.join(args.workdir, name, f"seed{seed}" + ("_shuffled" if control else "") +
                       ("" if args.budget == BUDGET else f"_{args.budget}img"))
     config = run_config(name, seed, control, args.workdir, args.budget)
+    if args.at_iters and (config.optim.decay != "constant" or args.at_iters % config.save.every
+                          or args.at_iters > config.num_iters):
+      sys.exit(f"error: --at_iters={args.at_iters} reads a checkpoint of a constant-lr run: a multiple of "
+               f"save.every={config.save.every}, at most {config.num_iters} (optim.decay={config.optim.decay!r})")
     print(f"[{i + 1}/{len(runs)}] {name} seed {seed}{' (shuffled control)' if control else ''}: {wd}", flush=True)
     t0 = time.time()
     rl_job.run(config, wd)
     s = rl_job.setup(config)
-    _, state = checkpoint.restore_latest(checkpoint.manager(os.path.join(wd, "checkpoints")), s.init_state())
-    hist = fileio.read_jsonl(os.path.join(wd, "metrics.jsonl"))
+    mngr = checkpoint.manager(os.path.join(wd, "checkpoints"))
+    if args.at_iters:  # the run's train state after at_iters iterations: a run of that length (constant lr, same keys)
+      state = mngr.restore(args.at_iters, args=ocp.args.StandardRestore(checkpoint.abstract_like(s.init_state())))
+    else:
+      _, state = checkpoint.restore_latest(mngr, s.init_state())
+    hist = fileio.read_jsonl(os.path.join(wd, "metrics.jsonl"))[:args.at_iters or None]
     train_s = float(sum(h["step_seconds"] for h in hist))
-    common = dict(tag, train_seconds=train_s, images_per_s=args.budget / max(train_s, 1e-9),
+    common = dict(tag, train_seconds=train_s, images_per_s=images / max(train_s, 1e-9),
                   drift=metrics.drift(s.trained_policy(state), s.base_policy), note=CELLS[name].note,
                   rollout_strict_last20=float(np.mean([h["strict_pass"] for h in hist[-20:]])))
     for which, sampling in variants.items():
@@ -296,6 +320,9 @@ def main():
   ap.add_argument("--record", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                   help="folder of results.jsonl / base.jsonl / grad_snr.jsonl (committed with the study)")
   ap.add_argument("--budget", type=int, default=BUDGET, help="rollout images per run (a smaller one: a smoke run)")
+  ap.add_argument("--at_iters", type=int, default=0, help="read each run at this iteration's checkpoint (a multiple "
+                  "of save.every, 25), recorded as a run of at_iters x batch images: with a constant learning rate "
+                  "the first iterations of a longer run are the shorter run")
   ap.add_argument("--interpolate", default="", help="also read each run's export moved only this fraction of the "
                   "way from the base (WiSE-FT weight interpolation), comma-separated, e.g. 0.5,0.75")
   ap.add_argument("--summarize", action="store_true")

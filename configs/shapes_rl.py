@@ -19,8 +19,8 @@ and, beyond the paper (each a named estimator of margrpo_jax/rl/estimators/, doc
                         AR steps). See docs/rl_signal.md.
   token_elbo            each committed token's head ELBO under its AR step's latent, q-MTE on the top-k tokens
   image_elbo            MAR's training ELBO of the tokenizer's re-encoding of the decoded image, better-than-group
-                        images only (RAFT / RWR), no label drop; 200 iterations of 16 prompts x 8 images; its
-                        EMA exported three quarters of the way from the base (WiSE-FT, ``rl.export_interpolation``)
+                        images only (RAFT / RWR), no label drop; 150 iterations of 32 prompts x 8 images, each
+                        update scoring the 128 images of largest weight; its EMA exported
   awm                   the same ELBO with signed advantages clipped to [-1, 1] and a KL anchor to the base
   nft                   DiffusionNFT: implicit positive / negative denoisers around the rollout policy
 Estimator fixes on by default: ``rl.diffusion_window`` (no saturated first / near-deterministic last steps) and
@@ -104,6 +104,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                   # passing images, no self-training loop; docs/estimators.md)
       rollout_cfg_scale=0.0,      # > 0: the rollouts' guidance scale (else sampling.cfg_scale, which the job's own
                                   # eval and every reading of the export use)
+      augment="none",             # image_elbo / awm / nft on the shapes world: 'shift' rolls each image the update trains
+                                  # on to a random place that keeps all of it in the frame, before it is re-encoded
+                                  # (the reward is unchanged; against the filter's layout collapse, rl/augment.py)
       rollout_temperature=0.0,    # > 0: the rollouts' diffusion-noise temperature (else sampling.temperature, which the
                                   # job's own eval and every reading of the export use)
       flow_noise_level=0.7,       # a flow head (NOVA): the rollouts' SDE noise level in (0, 1] (Flow-GRPO; 0 would be
@@ -186,8 +189,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.lr = 1e-4
     c.rl.update(estimator=variant, beta=0.0)
     c.rl.mar_objective.label_drop = 0.0  # no gradient into the unconditional branch (docs/estimators.md)
-  if variant == "image_elbo":  # the main job: twice the prompts per update (25,600 images), exported at a = 0.75
-    c.rl.update(positive_only=True, prompts_per_iter=16, export_interpolation=0.75)
+  if variant == "image_elbo":  # the main job: 150 iterations of 32 prompts x 8 images (38,400), the 128 heaviest scored
+    c.num_iters = 150
+    c.rl.update(positive_only=True, prompts_per_iter=32, elbo_rows=128)
   if variant == "awm":
     c.rl.update(adv_clip=1.0, beta=1.0, anchor="ref")
   if variant == "nft":

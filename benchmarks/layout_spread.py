@@ -65,7 +65,7 @@ def main():
       f = out.setdefault(name, {})[task] = spread(graphdef, params, model_cfg, distinct, args.images, sampling, seeds)
       print(f"{name:7s} {task:14s} {f['latent']:7.2f} {f['centroid_spread']:9.2f} {f['area']:6.1f} +- "
             f"{f['area_spread']:4.1f} {f['objects']:8.2f} {f['strict']:7.2f}", flush=True)
-  print(json.dumps(dict(export=args.export, split=args.split, seeds=seeds, **out)))
+  print(json.dumps(dict(path=args.export, split=args.split, seeds=seeds, models=out)))
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def main():
   out = dict(images=n_img, parts=args.parts, keys=args.keys, reward=args.reward, variant=args.variant,
              estimator=config.rl.estimator, overrides=args.set)
   if not estimators.get(config.rl.estimator).READS_CHAINS:  # a forward-process estimator: parts of (ids, A, tokens)
-    tokens, est = rl_job.training_tokens(config, s, ro), estimators.get(config.rl.estimator)
+    tokens, est = rl_job.training_tokens(config, s, ro, 0), estimators.get(config.rl.estimator)
     anchors = dict(ref=s.ref, rollout=s.policy, ema=s.policy)
     ctx = step_lib.Context(s.graphdef, sc, gaussian.make_diffusion(sc.num_train_steps), s.frozen, anchors)
 

@@ -287,7 +287,7 @@ def test_pretrain_mix_adds_rendered_train_images_weighted_like_an_advantage(base
   ro = rl_job.rollout(config, s, s.policy, recs, 0)
   adv = np.zeros(len(ro["images"]), np.float32)
   ids, w, tokens = rl_job.with_pretraining_images(config, s, recs, 0, ro["ids"], adv, rl_job.training_tokens(
-      config, s, ro))
+      config, s, ro, 0))
   n = len(adv) // 4
   assert ids.shape[0] == tokens.shape[0] == len(w) == len(adv) + n and np.all(w[len(adv):] == 1.0)
   np.testing.assert_array_equal(np.asarray(ids)[:len(adv)], np.asarray(ro["ids"]))

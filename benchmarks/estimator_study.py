@@ -160,9 +160,6 @@ CELLS = {
     #    RAFT's uniform weights (rl.advantage='sign' with A >= 0) fit every passing image alike
     "image_elbo_p16_sign": Cell("image_elbo", (("rl.advantage", "sign"),),
                                 "image ELBO, 16 x 8, uniform weights on the better images (RAFT)", (16, 8)),
-    "image_elbo_p32_r128_shift": Cell("image_elbo", (("rl.elbo_rows", 128), ("rl.augment", "shift")),
-                                      "image ELBO, A >= 0, 32 x 8, the 128 heaviest, images shifted at random",
-                                      (32, 8)),
 }
 
 

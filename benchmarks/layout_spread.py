@@ -17,7 +17,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from margrpo_jax import checkpoint, config_files, generate  # noqa: E402
+from margrpo_jax import checkpoint, config_files, generate, metrics  # noqa: E402
 from margrpo_jax.data import shapes  # noqa: E402
 from margrpo_jax.models import families  # noqa: E402
 from margrpo_jax.rewards import shapes_verifier  # noqa: E402
@@ -29,8 +29,8 @@ def spread(graphdef, params, model_cfg, recs, images, sampling, seeds) -> dict:
   ims = np.concatenate([generate.generate(graphdef, params, model_cfg, prompts, sampling, seed=s, batch_size=64)
                         for s in seeds])
   groups = len(seeds) * len(recs)
-  z = np.asarray(families.get(model_cfg.family).encode_images(model_cfg, ims), np.float64).reshape(groups, images, -1)
-  latent = np.sqrt(((z[:, :, None] - z[:, None, :]) ** 2).sum(-1)).sum((1, 2)).mean() / (images * (images - 1))
+  latent = metrics.latent_spread(np.asarray(families.get(model_cfg.family).encode_images(model_cfg, ims)).reshape(
+      groups, images, -1))
   first, areas, found, strict = [], [], [], []
   for im, r in zip(ims, [r for _ in seeds for r in recs for _ in range(images)]):
     objs = shapes_verifier.find_objects(im)[0]
@@ -39,7 +39,7 @@ def spread(graphdef, params, model_cfg, recs, images, sampling, seeds) -> dict:
     found.append(len(objs))
     strict.append(shapes_verifier.verify(im, r)["strict"])
   first = np.asarray(first, float).reshape(groups, images, 2)
-  return dict(latent=float(latent), centroid_spread=float(np.nanmean(np.nanstd(first, axis=1))),
+  return dict(latent=latent, centroid_spread=float(np.nanmean(np.nanstd(first, axis=1))),
               area=float(np.mean(areas)), area_spread=float(np.std(areas)), objects=float(np.mean(found)),
               strict=float(np.mean(strict)))
 

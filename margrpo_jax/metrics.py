@@ -49,7 +49,13 @@ def diversity(graphdef, params, model_cfg, prompts: list[str], images_per_prompt
   images = generate.generate(graphdef, params, model_cfg, [p for p in prompts for _ in range(g)], sampling,
                              seed=seed, batch_size=batch_size)
   z = np.asarray(families.get(model_cfg.family).encode_images(model_cfg, images), np.float64)
-  z = z.reshape(len(prompts), g, -1)
+  return latent_spread(z.reshape(len(prompts), g, -1))
+
+
+def latent_spread(z: np.ndarray) -> float:
+  """``z`` (P, G, ...) latents of G images per prompt -> the mean over prompts of their mean pairwise distance."""
+  z = np.asarray(z, np.float64).reshape(z.shape[0], z.shape[1], -1)
+  g = z.shape[1]
   d = np.sqrt(((z[:, :, None] - z[:, None, :]) ** 2).sum(-1))  # (P, G, G)
   return float(d.sum((1, 2)).mean() / (g * (g - 1)))
 

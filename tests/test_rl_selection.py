@@ -1,10 +1,13 @@
-"""Advantages and token selection (MAR-GRPO's stabilisers) on small hand-checked cases."""
+"""Advantages, token selection (MAR-GRPO's stabilisers) and image augmentation on small hand-checked cases."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from margrpo_jax.rl import advantages, selection
+from margrpo_jax import metrics
+from margrpo_jax.data import shapes
+from margrpo_jax.rewards import shapes_verifier
+from margrpo_jax.rl import advantages, augment, selection
 
 
 def test_constant_rewards_give_zero_advantages():
@@ -110,9 +113,6 @@ def test_informative_groups_keeps_the_most_mixed_groups_in_draw_order():
 def test_shift_augmentation_keeps_every_object_and_the_reward():
   """``rl.augment='shift'``: each rendered scene moves (most by a nonzero offset), nothing is cut or wrapped, and the
   verifier finds the same objects moved by one offset, so strict pass and partial score are unchanged."""
-  from margrpo_jax.data import shapes
-  from margrpo_jax.rewards import shapes_verifier
-  from margrpo_jax.rl import augment
   recs = shapes.split_records("val")[::16][:32]
   images = shapes.render_batch(recs, 0)
   moved = augment.apply("shift", images, np.random.default_rng(0))
@@ -130,3 +130,10 @@ def test_shift_augmentation_keeps_every_object_and_the_reward():
   assert np.array_equal(augment.apply("none", images, np.random.default_rng(0)), images)
   blank = np.zeros((1, 32, 32, 3), np.uint8)
   assert np.array_equal(augment.apply("shift", blank, np.random.default_rng(0)), blank)
+
+
+def test_latent_spread_is_the_mean_pairwise_distance_per_prompt():
+  """The study's diversity: per prompt the mean distance over ordered pairs of distinct images, averaged."""
+  z = np.array([[[0.0, 0.0], [3.0, 4.0], [0.0, 0.0]],    # distances 5, 0, 5 -> mean 10 / 3
+                [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]])   # identical images -> 0
+  assert metrics.latent_spread(z) == pytest.approx((10 / 3 + 0) / 2)

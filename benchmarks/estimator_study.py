@@ -160,10 +160,17 @@ CELLS = {
     #    RAFT's uniform weights (rl.advantage='sign' with A >= 0) fit every passing image alike
     "image_elbo_p16_sign": Cell("image_elbo", (("rl.advantage", "sign"),),
                                 "image ELBO, 16 x 8, uniform weights on the better images (RAFT)", (16, 8)),
+    # s. a diversity budget instead of a fixed length: each seed trains until its rollouts' latent spread (mean of 10
+    #    iterations) falls below f times its first 10 iterations' (rl.diversity_floor), at most 200 iterations, so a
+    #    seed that keeps its variety longer trains longer (at 150 iterations seeds 0, 1, 2 keep 0.86, 0.79, 0.80 of
+    #    the base's diversity on val). With the same keys each run is the prefix of its image_elbo_p32_r128 run.
+    **{f"image_elbo_p32_floor{f:g}": Cell("image_elbo", (("rl.elbo_rows", 128), ("rl.diversity_floor", f)),
+                                          f"image ELBO, A >= 0, 32 x 8, 128 scored, until the rollouts' spread < {f:g}"
+                                          " of its start", (32, 8)) for f in (0.78, 0.8, 0.82, 0.84)},
 }
 
 
-def run_config(name: str, seed: int, control: bool, workdir: str, budget: int = BUDGET):
+def run_config(name: str, seed: int, control: bool, workdir: str, budget: int = BUDGET, save_every: int = 25):
   cell = CELLS[name]
   c = config_files.load("shapes_rl", cell.variant)
   for k, v in cell.overrides:
@@ -172,7 +179,7 @@ def run_config(name: str, seed: int, control: bool, workdir: str, budget: int = 
   c.rl.rewards.update(shapes_partial=0.0, shapes_strict=1.0)
   c.rl.update(prompts_per_iter=cell.batch[0], group_size=cell.batch[1], ema_decay=c.rl.ema_decay or 0.95)
   c.num_iters = budget // (c.rl.group_size * c.rl.prompts_per_iter)
-  c.save.every = 25
+  c.save.update(every=save_every, keep=c.num_iters // save_every + 1)  # every checkpoint kept (for --at_iters)
   c.seed = seed
   c.rl.export_interpolation = 1.0  # the study reads the trained policy itself (--interpolate adds WiSE readings)
   c.rl.shuffle_advantages = control
@@ -265,11 +272,11 @@ def study(args):
       continue
     wd = os.path.join(args.workdir, name, f"seed{seed}" + ("_shuffled" if control else "") +
                       ("" if args.budget == BUDGET else f"_{args.budget}img"))
-    config = run_config(name, seed, control, args.workdir, args.budget)
+    config = run_config(name, seed, control, args.workdir, args.budget, args.save_every)
     if args.at_iters and (config.optim.decay != "constant" or args.at_iters % config.save.every
                           or args.at_iters > config.num_iters):
       sys.exit(f"error: --at_iters={args.at_iters} reads a checkpoint of a constant-lr run: a multiple of "
-               f"save.every={config.save.every}, at most {config.num_iters} (optim.decay={config.optim.decay!r})")
+               f"save.every={config.save.every} (--save_every), at most {config.num_iters} (optim.decay={config.optim.decay!r})")
     print(f"[{i + 1}/{len(runs)}] {name} seed {seed}{' (shuffled control)' if control else ''}: {wd}", flush=True)
     t0 = time.time()
     rl_job.run(config, wd)
@@ -281,7 +288,7 @@ def study(args):
       _, state = checkpoint.restore_latest(mngr, s.init_state())
     hist = fileio.read_jsonl(os.path.join(wd, "metrics.jsonl"))[:args.at_iters or None]
     train_s = float(sum(h["step_seconds"] for h in hist))
-    common = dict(tag, train_seconds=train_s, images_per_s=images / max(train_s, 1e-9),
+    common = dict(tag, iterations=len(hist), stopped_early=len(hist) < config.num_iters, train_seconds=train_s, images_per_s=images / max(train_s, 1e-9),
                   drift=metrics.drift(s.trained_policy(state), s.base_policy), note=CELLS[name].note,
                   rollout_strict_last20=float(np.mean([h["strict_pass"] for h in hist[-20:]])))
     for which, sampling in variants.items():
@@ -320,6 +327,8 @@ def main():
   ap.add_argument("--at_iters", type=int, default=0, help="read each run at this iteration's checkpoint (a multiple "
                   "of save.every, 25), recorded as a run of at_iters x batch images: with a constant learning rate "
                   "the first iterations of a longer run are the shorter run")
+  ap.add_argument("--save_every", type=int, default=25, help="checkpoint every N iterations, all kept (what "
+                  "--at_iters can read; the runs are the same whatever N)")
   ap.add_argument("--interpolate", default="", help="also read each run's export moved only this fraction of the "
                   "way from the base (WiSE-FT weight interpolation), comma-separated, e.g. 0.5,0.75")
   ap.add_argument("--summarize", action="store_true")

@@ -57,6 +57,8 @@ def rows(results, bases):
     if b is None:
       continue
     runs = sorted({r["seed"]: r for r in runs}.values(), key=lambda r: r["seed"])  # the last line of each seed
+    if any(r.get("stopped_early") for r in runs):  # rl.diversity_floor: each seed's own length
+      cell = cell.replace(" images)", f" images at most; stopped at {', '.join(str(r['iterations']) for r in runs)})")
     keys = ["strict", "partial", *shapes.TASKS]
     gain = {k: [_gains(r["ema"]["rates"], b["rates"], k) for r in runs] for k in keys}
     raw = [_gains(r["raw"]["rates"], b["rates"], "strict") for r in runs if "raw" in r]

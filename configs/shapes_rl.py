@@ -77,6 +77,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       positive_only=False,        # advantages clipped at 0: only images better than their group's mean are trained on
       diversity_bonus=0.0,        # lam > 0: r_i + lam r_i (d_i / mean_g d - 1), d_i the latent distance of image i to
                                   # the other images of its prompt (rl/advantages.py; against mode-seeking filters)
+      diversity_floor=0.0,        # f in (0, 1): stop before num_iters once the rollouts' latent spread (mean of the
+                                  # last 10 iterations) falls below f times its first 10 iterations' (a diversity
+                                  # budget; jobs/rl.py:diversity_spent); 0 = run num_iters
       group_size=8, prompts_per_iter=4,
       rollout_prompts=0,          # > prompts_per_iter: prompts drawn per rollout, of whose groups the update keeps the
                                   # prompts_per_iter whose rewards vary most (DAPO's dynamic sampling: fewer

@@ -295,3 +295,30 @@ def test_pretrain_mix_adds_rendered_train_images_weighted_like_an_advantage(base
   config.rl.pretrain_mix = 0.0
   still, _, _ = rl_job.iteration(config, s, s.init_state(), recs, 0)
   assert not _same(moved["policy"], s.policy) and _same(still["policy"], s.policy)
+
+
+def test_diversity_spent_compares_the_last_window_of_rollout_spread_with_the_first():
+  config = _config("unused")
+  w = rl_job.SPREAD_WINDOW
+  hist = [dict(latent_spread=1.0)] * w + [dict(latent_spread=0.9)] * w
+  assert not rl_job.diversity_spent(config, hist)  # rl.diversity_floor = 0: never
+  config.rl.diversity_floor = 0.95
+  assert rl_job.diversity_spent(config, hist)
+  assert not rl_job.diversity_spent(config, hist[:2 * w - 1])  # too few iterations to compare two windows
+  config.rl.diversity_floor = 0.85
+  assert not rl_job.diversity_spent(config, hist)
+
+
+@pytest.mark.slow
+def test_a_run_stops_on_its_diversity_budget_exports_there_and_a_rerun_does_not_train_on(tmp_path, base, shapes_tfds,
+                                                                                         monkeypatch):
+  spreads = iter([1.0, 0.9, 0.5, 0.4, 0.3])  # the rollouts' latent spread, iteration by iteration
+  monkeypatch.setattr(rl_job, "SPREAD_WINDOW", 1)
+  monkeypatch.setattr(rl_job.metrics, "latent_spread", lambda z: next(spreads))
+  config = _config(base[0])
+  config.num_iters, config.tfds_dir, config.rl.diversity_floor = 5, shapes_tfds, 0.6
+  state = rl_job.run(config, str(tmp_path / "w"))
+  assert int(state["step"]) == 3  # 0.5 < 0.6 x 1.0 after the third iteration
+  report = json.loads((tmp_path / "w" / "report.json").read_text())
+  assert report["iterations"] == 3 and (tmp_path / "w" / "export").exists()
+  assert int(rl_job.run(config, str(tmp_path / "w"))["step"]) == 3  # the same command again: nothing more trained

@@ -33,7 +33,7 @@ import numpy as np
 from absl import logging
 from clu import metric_writers, periodic_actions
 
-from margrpo_jax import checkpoint, fileio, generate, interrupt, optim, rng, validate
+from margrpo_jax import checkpoint, fileio, generate, interrupt, metrics, optim, rng, validate
 from margrpo_jax.data import shapes
 from margrpo_jax.jobs import eval as eval_job
 from margrpo_jax.models import families, precision, random_instance
@@ -261,10 +261,25 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
         drawn["images"], [m["shapes"] for m in drawn["recs"]]))
     m["strict_pass"] = float(np.mean(strict))
   spread = np.std(reward.reshape(-1, g), axis=1)  # per trained group
+  z = sharding.to_host(ro["final"])
   m.update(reward=float(drawn["reward"].mean()), group_diversity=float(spread.mean()),
+           latent_spread=metrics.latent_spread(z.reshape(-1, g, *z.shape[1:])),
            informative_groups=float(np.mean(spread > 0)),
            **{f"reward_{name}": float(np.mean(v)) for name, v in drawn["parts"].items()})
   return state, m, ro
+
+
+SPREAD_WINDOW = 10  # iterations averaged at each end of rl.diversity_floor's comparison
+
+
+def diversity_spent(config, history: list[dict]) -> bool:
+  """``rl.diversity_floor = f > 0``: whether the rollouts' ``latent_spread`` (the mean pairwise latent distance of a
+  prompt's images, :func:`metrics.latent_spread`), averaged over the last :data:`SPREAD_WINDOW` iterations of
+  ``history``, has fallen below ``f`` times its average over the first ones (the base's, nearly). The filter's
+  gain comes with a loss of variety (docs/estimators.md); this spends a fixed share of it, whatever the seed."""
+  f, w = config.rl.diversity_floor, SPREAD_WINDOW
+  spread = [h["latent_spread"] for h in history if "latent_spread" in h]
+  return bool(f) and len(spread) >= 2 * w and np.mean(spread[-w:]) < f * np.mean(spread[:w])
 
 
 MAX_SKIPPED = 3  # iterations in a row with a non-finite reward before the run stops (one sentence, exit 1)
@@ -289,7 +304,9 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
   hist_path = os.path.join(workdir, "metrics.jsonl")
   history = [h for h in fileio.read_jsonl(hist_path) if h.get("iter", start) < start]
   g = config.rl.group_size
-  end = config.num_iters if max_iters_this_run is None else min(config.num_iters, start + max_iters_this_run)
+  spent = diversity_spent(config, history)  # a resumed run that had stopped on its diversity budget
+  end = start if spent else (config.num_iters if max_iters_this_run is None
+                             else min(config.num_iters, start + max_iters_this_run))
   steps_per_iter = config.rl.num_inner * config.rl.num_minibatches
   lr = optim.lr_schedule(config.optim, config.num_iters * steps_per_iter)
   progress = periodic_actions.ReportProgress(num_train_steps=config.num_iters, writer=writer)
@@ -334,28 +351,35 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
                      config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
                      m["loss"], m["kl"], m["step_seconds"],
                      (time.time() - t0) / 60, eta)
+      spent = diversity_spent(config, history)
+      if spent:
+        logging.info("iteration %d: the rollouts' latent spread fell below rl.diversity_floor=%g of its start; "
+                     "the run stops here", it + 1, config.rl.diversity_floor)
       stop = interrupt.requested()
-      if (it + 1) % config.save.every == 0 or it + 1 == end or stop:
+      if (it + 1) % config.save.every == 0 or it + 1 == end or stop or spent:
         checkpoint.save_state(mngr, it + 1, state, f"the RL state after iteration {it + 1}")
         fileio.write_jsonl(hist_path, history)
       if stop and it + 1 < end:
         checkpoint.wait(mngr)
         interrupt.stop(f"the RL state after iteration {it + 1} is saved in {mngr.directory}")
+      if spent:
+        break
   checkpoint.wait(mngr)
-  if end < config.num_iters:
+  if end < config.num_iters and not spent:
     return state
+  iterations = int(state["step"])
   final_params = s.trained_params(state)
   export = checkpoint.save_model(os.path.join(workdir, "export"), final_params, model_cfg,
                                  source=checkpoint.official_source(base_checkpoint(config, workdir)))
   logging.info("evaluating the fine-tuned policy on the same %d prompts and seeds ...", len(eval_recs))
   final_eval, final_images = _evaluate(graphdef, final_params, model_cfg, config, eval_recs, s.mesh)
-  report = dict(base=base_eval, final=final_eval, checkpoint=export, iterations=config.num_iters,
+  report = dict(base=base_eval, final=final_eval, checkpoint=export, iterations=iterations,
                 eval_prompts=len(eval_recs), prompts=rl_prompts.source(config, model_cfg), family=model_cfg.family,
                 reward_means={k: dict(base=base_eval["rewards"][k]["all"]["mean"],
                                       final=final_eval["rewards"][k]["all"]["mean"]) for k in base_eval["rewards"]})
-  writer.write_images(config.num_iters, {"eval/before": generate.image_grid(base_images[:64], scale=4)[None],
+  writer.write_images(iterations, {"eval/before": generate.image_grid(base_images[:64], scale=4)[None],
                                          "eval/after": generate.image_grid(final_images[:64], scale=4)[None]})
-  writer.write_scalars(config.num_iters, {f"eval/{when}_{k}": v[when] for k, v in report["reward_means"].items()
+  writer.write_scalars(iterations, {f"eval/{when}_{k}": v[when] for k, v in report["reward_means"].items()
                                           for when in ("base", "final") if v[when] is not None})
   _write_pictures(workdir, eval_recs, base_images, final_images, history, report)
   writer.flush()

@@ -49,6 +49,7 @@ INF = float("inf")
 RANGES = dict(beta=(0, INF, True, False), clip_eps=(0, INF, True, False), adv_clip=(0, INF, True, False),
               pretrain_mix=(0, INF, True, False), rollout_cfg_scale=(0, INF, True, False),
               rollout_temperature=(0, INF, True, False), diversity_bonus=(0, INF, True, False),
+              diversity_floor=(0, 1, True, False),
               export_interpolation=(0, 1, False, True), nft_strength=(0, 1, False, True), ema_decay=(0, 1, True, False))
 
 # rl.fidelity='official': the official code's value of every switch (docs/algorithm.md sections 13-14), those of

@@ -19,8 +19,9 @@ and, beyond the paper (each a named estimator of margrpo_jax/rl/estimators/, doc
                         AR steps). See docs/rl_signal.md.
   token_elbo            each committed token's head ELBO under its AR step's latent, q-MTE on the top-k tokens
   image_elbo            MAR's training ELBO of the tokenizer's re-encoding of the decoded image, better-than-group
-                        images only (RAFT / RWR), no label drop; 150 iterations of 32 prompts x 8 images, each
-                        update scoring the 128 images of largest weight; its EMA exported
+                        images only (RAFT / RWR), no label drop; 32 prompts x 8 images per iteration, each
+                        update scoring the 128 images of largest weight, until the rollouts' latent spread falls
+                        to 0.8 of its start (``rl.diversity_floor``; at most 200 iterations); its EMA exported
   awm                   the same ELBO with signed advantages clipped to [-1, 1] and a KL anchor to the base
   nft                   DiffusionNFT: implicit positive / negative denoisers around the rollout policy
 Estimator fixes on by default: ``rl.diffusion_window`` (no saturated first / near-deterministic last steps) and
@@ -192,9 +193,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optim.lr = 1e-4
     c.rl.update(estimator=variant, beta=0.0)
     c.rl.mar_objective.label_drop = 0.0  # no gradient into the unconditional branch (docs/estimators.md)
-  if variant == "image_elbo":  # the main job: 150 iterations of 32 prompts x 8 images (38,400), the 128 heaviest scored
-    c.num_iters = 150
-    c.rl.update(positive_only=True, prompts_per_iter=32, elbo_rows=128)
+  if variant == "image_elbo":  # the main job: 32 prompts x 8 images per iteration, the 128 heaviest scored, until the
+    c.num_iters = 200            # rollouts' latent spread falls to 0.8 of its start (about 140-160 iterations)
+    c.rl.update(positive_only=True, prompts_per_iter=32, elbo_rows=128, diversity_floor=0.8)
   if variant == "awm":
     c.rl.update(adv_clip=1.0, beta=1.0, anchor="ref")
   if variant == "nft":

@@ -37,11 +37,12 @@ def test_presets_are_the_estimators_they_name():
     rl_config.resolve_fidelity(c)
     sc = rl_config.step_config(c)
     assert sc.estimator == ("chain" if v == "paper" else v)
-    images = 38_400 if v == "image_elbo" else 12_800  # the main job: 150 iterations of 32 prompts x 8 images
+    images = 51_200 if v == "image_elbo" else 12_800  # the main job: at most 200 iterations of 32 prompts x 8 images
     assert (c.num_iters * c.rl.group_size * c.rl.prompts_per_iter, c.rl.ema_decay) == (images, 0.95), v
     assert c.rl.rewards.shapes_strict == 1.0 and c.rl.rewards.shapes_partial == 0.0, v
     if v == "image_elbo":
-      assert (c.rl.elbo_rows, c.rl.export_interpolation, c.rl.positive_only) == (128, 1.0, True)
+      assert (c.rl.elbo_rows, c.rl.export_interpolation, c.rl.positive_only, c.rl.diversity_floor) == (128, 1.0, True,
+                                                                                                        0.8)
   c = config_files.load("shapes_rl", "paper")
   changed = rl_config.resolve_fidelity(c)
   assert c.rl.diffusion_window == "1:-3" and not any("diffusion_window" in x for x in changed)

@@ -275,7 +275,8 @@ SPREAD_WINDOW = 10  # iterations averaged at each end of rl.diversity_floor's co
 def diversity_spent(config, history: list[dict]) -> bool:
   """``rl.diversity_floor = f > 0``: whether the rollouts' ``latent_spread`` (the mean pairwise latent distance of a
   prompt's images, :func:`metrics.latent_spread`), averaged over the last :data:`SPREAD_WINDOW` iterations of
-  ``history``, has fallen below ``f`` times its average over the first ones (the base's, nearly). The filter's
+  ``history``, has fallen below ``f`` times its average over the first ones (the base's, nearly); computed on the
+  sampled latents (the study's diversity figure reads the re-encoded decoded images). The filter's
   gain comes with a loss of variety (docs/estimators.md); this spends a fixed share of it, whatever the seed."""
   f, w = config.rl.diversity_floor, SPREAD_WINDOW
   spread = [h["latent_spread"] for h in history if "latent_spread" in h]
@@ -345,8 +346,8 @@ def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
         writer.write_scalars(it + 1, m)
         if it % config.log_images_every == 0:
           writer.write_images(it + 1, {"rollouts": generate.image_grid(ro["images"][:32], cols=g, scale=4)[None]})
-        eta = (f"ETA {(time.time() - t_first) / (it - start) * (end - it - 1) / 60:.1f} min" if it > start
-               else "compiled")
+        left = (time.time() - t_first) / (it - start) * (end - it - 1) / 60 if it > start else 0.0
+        eta = (f"ETA{' at most' if config.rl.diversity_floor else ''} {left:.1f} min" if it > start else "compiled")
         logging.info("iter %d/%d reward %.3f%s loss %.4f kl %.4f (%.1f s; %.1f min in all; %s)", it + 1,
                      config.num_iters, m["reward"], f" strict {m['strict_pass']:.3f}" if "strict_pass" in m else "",
                      m["loss"], m["kl"], m["step_seconds"],

@@ -176,6 +176,16 @@ class TorchMAR(nn.Module):
     return tokens
 
 
+def conditions() -> dict:
+  """The conditions a ratio was measured under (it differs between machines: on one 2-core VM the sampler's ratio
+  was 1.16x, on another 0.84x): CPU model, cores, XLA flags, JAX and PyTorch versions."""
+  info = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+  field = lambda name: next((l.split(":", 1)[1].strip() for l in info if l.startswith(name)), "")
+  isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in field("flags").split()]
+  return dict(cpu=field("model name") or "?", isa=isa, cores=os.cpu_count(), xla_flags=os.environ.get("XLA_FLAGS", ""),
+              jax=jax.__version__, torch=torch.__version__)
+
+
 def paired_models(size: str, threads: int = 0):
   """``(torch model, its state dict as numpy, model_cfg, graphdef, params)``: a random-weight :class:`TorchMAR`
   (seed 0) and the same weights converted into this project's model by ``convert/mar.py``."""
@@ -266,6 +276,7 @@ def main():
     times.append(time.perf_counter() - t0)
   torch_s = float(np.median(times))
   official = work(model, diff, sched, a.batch, None)
+  print("conditions:", json.dumps(conditions()))
   print(f"batch {a.batch}, {a.num_steps} AR steps, {diff.num_steps} diffusion steps, CFG {a.cfg}, temperature "
         f"{a.temperature}, {a.repeats} timed runs each (median), torch threads {torch.get_num_threads()}")
   print("| sampler | images/s | s / batch | compile s | encoder token-passes | decoder token-passes | head rows |\n"
@@ -277,7 +288,7 @@ def main():
         f"{official['decoder']} | {official['head']} |")
   last = rows[-1]
   print(json.dumps(dict(speedup_vs_torch=round(torch_s / last[2], 3), segments=last[0],
-                        more_work_than_official=any(last[4][k] > official[k] for k in official))))
+                        more_work_than_official=any(last[4][k] > official[k] for k in official), **conditions())))
 
 
 if __name__ == "__main__":

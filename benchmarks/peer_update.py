@@ -27,7 +27,7 @@ import time
 
 import torch  # noqa: I001 - torch, with the optimizers' dynamo / triton imports, before TensorFlow (else a segfault)
 import torch._dynamo  # noqa: F401
-from peer_sampler import TorchMAR, paired_models  # sets JAX_PLATFORMS and the project's path
+from peer_sampler import TorchMAR, conditions, paired_models  # sets JAX_PLATFORMS and the project's path
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -244,13 +244,14 @@ def main():
     torch_update()
     times.append(time.perf_counter() - t0)
   torch_s = float(np.median(times))
+  print("conditions:", json.dumps(conditions()))
   print(f"{a.repeats} timed updates each (median), torch threads {torch.get_num_threads()}")
   print(f"| RL update (loss, backward, clip, AdamW) | s / update | compile s |\n|---|---|---|\n"
         f"| margrpo_jax (jit, lax.scan over AR steps) | {jax_s:.2f} | {first - jax_s:.1f} |\n"
         f"| PyTorch, official structure | {torch_s:.2f} | - |")
   print(f"speed-up: {torch_s / jax_s:.2f}x")
   print(json.dumps(dict(speedup_vs_torch=round(torch_s / jax_s, 3), jax_s=round(jax_s, 3), torch_s=round(torch_s, 3),
-                        compile_s=round(first - jax_s, 1), size=a.size, batch=a.batch)))
+                        compile_s=round(first - jax_s, 1), size=a.size, batch=a.batch, **conditions())))
 
 
 if __name__ == "__main__":

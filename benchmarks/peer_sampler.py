@@ -177,9 +177,12 @@ class TorchMAR(nn.Module):
 
 
 def conditions() -> dict:
-  """The conditions a ratio was measured under (it differs between machines: on one 2-core VM the sampler's ratio
-  was 1.16x, on another 0.84x): CPU model, cores, XLA flags, JAX and PyTorch versions."""
-  info = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+  """Where a ratio was measured (it moves between machines, docs/reference.md "Benchmarks"): CPU model and ISA
+  flags, cores, ``XLA_FLAGS``, JAX and PyTorch versions."""
+  info = []
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      info = f.read().splitlines()
   field = lambda name: next((l.split(":", 1)[1].strip() for l in info if l.startswith(name)), "")
   isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in field("flags").split()]
   return dict(cpu=field("model name") or "?", isa=isa, cores=os.cpu_count(), xla_flags=os.environ.get("XLA_FLAGS", ""),

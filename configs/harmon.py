@@ -11,9 +11,9 @@ python -m margrpo_jax.main --config=configs/harmon.py:0.5b --config.mode=sample 
 Plan (parameters per component, docs/models.md section 2.7; compile needs sharding rules for the LLM's parameters):
 python -m margrpo_jax.main --config=configs/harmon.py:1.5b --config.mode=plan --config.plan.compile=False --workdir=W
 
-Tiny (a few-layer random-weight Harmon: Qwen2.5 layout, MAR encoder / decoder, a byte-level tokenizer and a
+Random (a few-layer random-weight Harmon: Qwen2.5 layout, MAR encoder / decoder, a byte-level tokenizer and a
 random KL-16-layout VAE, nothing downloaded; RL on JPEG compressibility over configs/prompts/captions.txt):
-python -m margrpo_jax.main --config=configs/harmon.py:tiny --config.mode=rl --config.num_iters=2 --workdir=W
+python -m margrpo_jax.main --config=configs/harmon.py:random --config.mode=rl --config.num_iters=2 --workdir=W
 
 Generation defaults (docs/models.md section 2.3): 64 AR steps, 100 diffusion steps, CFG 3.0 constant, temperature 1.0.
 RL (docs/algorithm.md section 10, Harmon column): G = 4, lr 1e-6 constant, AdamW (0.9, 0.999, 1e-8) wd 0, grad clip 1.0,
@@ -29,10 +29,12 @@ from margrpo_jax.models import harmon
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg or "0.5b"
-  if size == "tiny":
-    return config_files.tiny(get_config("0.5b"), "harmon")
+  if size == "tiny":  # the name it had before "random"
+    raise ValueError("config arg 'tiny' is now 'random' (the few-layer random-weight instance)")
+  if size == "random":
+    return config_files.random_weights(get_config("0.5b"), "harmon")
   if size not in harmon.SIZES:
-    raise ValueError(f"unknown config arg {size!r} for harmon (sizes: {', '.join(harmon.SIZES)})")
+    raise ValueError(f"unknown config arg {size!r} for harmon (sizes: {', '.join(harmon.SIZES)}, or random)")
   c = config_files.real_size(harmon.harmon_config(size))
   c.num_iters = 1200
   c.sampling.update(num_steps=64, diffusion_steps="100", cfg_scale=3.0, cfg_schedule="constant", temperature=1.0,

@@ -15,9 +15,9 @@ python -m margrpo_jax.main --config=configs/mar.py:huge --config.mode=plan --wor
     [--config.parallel.mesh.fsdp=8 --config.parallel.mesh.data=1]
 (on CPU, simulate the pod: XLA_FLAGS=--xla_force_host_platform_device_count=8). Prints the parameters per
 component (docs/models.md section 1.7) and the per-device compiled memory of the sharded rollout and RL step.
-Tiny (a few-layer random-weight MAR with its KL-16-layout VAE, nothing downloaded; RL on JPEG compressibility
+Random (a few-layer random-weight MAR with its KL-16-layout VAE, nothing downloaded; RL on JPEG compressibility
 over the class labels, a few minutes on CPU; rerunning resumes):
-python -m margrpo_jax.main --config=configs/mar.py:tiny --config.mode=rl --config.num_iters=2 --workdir=W
+python -m margrpo_jax.main --config=configs/mar.py:random --config.mode=rl --config.num_iters=2 --workdir=W
 RL hyper-parameters are the paper's (docs/algorithm.md section 10): 64 AR steps with 12 scored, 10 diffusion steps
 scored per AR step, S = 5 MTE trajectories, top 30%, G = 4, lr 1e-6, beta 0.01.
 """
@@ -32,10 +32,12 @@ CFG = {"base": 2.9, "large": 3.0, "huge": 3.2}  # docs/models.md section 1.3 (RE
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   size = arg or "base"
-  if size == "tiny":
-    return config_files.tiny(get_config("base"), "mar")
+  if size == "tiny":  # the name it had before "random"
+    raise ValueError("config arg 'tiny' is now 'random' (the few-layer random-weight instance)")
+  if size == "random":
+    return config_files.random_weights(get_config("base"), "mar")
   if size not in class_mar.SIZES:
-    raise ValueError(f"unknown config arg {size!r} for mar (sizes: {', '.join(class_mar.SIZES)})")
+    raise ValueError(f"unknown config arg {size!r} for mar (sizes: {', '.join(class_mar.SIZES)}, or random)")
   c = config_files.real_size(class_mar.mar_config(size), prompts="207,360,387,974,88,979,417,279",
                               batch_size=8, grid_size=64)
   c.sampling.update(num_steps=64, diffusion_steps="100", cfg_scale=CFG[size], cfg_schedule="linear",

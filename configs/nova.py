@@ -15,10 +15,10 @@ Plan (parameters per component; docs/models.md section 3.7: backbone + head = th
 null rows):
 python -m margrpo_jax.main --config=configs/nova.py:d48w1024 --config.mode=plan --config.plan.compile=False --workdir=W
 
-Tiny (a few-layer random-weight NOVA: Phi-2 layout, video / image encoders, flow head, a byte-level tokenizer and
+Random (a few-layer random-weight NOVA: Phi-2 layout, video / image encoders, flow head, a byte-level tokenizer and
 a random SD-layout VAE, nothing downloaded; RL with the flow SDE on JPEG compressibility over
 configs/prompts/captions.txt):
-python -m margrpo_jax.main --config=configs/nova.py:tiny --config.mode=rl --config.num_iters=2 --workdir=W
+python -m margrpo_jax.main --config=configs/nova.py:random --config.mode=rl --config.num_iters=2 --workdir=W
 
 Generation defaults (docs/models.md section 3.3): 64 AR steps (cos schedule, round, zero-count steps skipped), 25
 Euler flow steps (``sampling.flow_noise_level`` 0 = NOVA's ODE), CFG 5 constant against the null text, no temperature.
@@ -40,14 +40,16 @@ SHORT = {"d48w768": "d48w768-sdxl1024", "d48w1024": "d48w1024-sdxl1024", "d48w15
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg == "tiny":
-    c = config_files.tiny(get_config("sd512"), "nova")
+  if arg == "tiny":  # the name it had before "random"
+    raise ValueError("config arg 'tiny' is now 'random' (the few-layer random-weight instance)")
+  if arg == "random":
+    c = config_files.random_weights(get_config("sd512"), "nova")
     c.sampling.num_steps = 8  # NOVA's rounded schedule drops a zero-count step here: 7 AR steps
     return c
   variant = SHORT.get(arg or "sd512", arg)
   if variant not in nova.VARIANTS:
     raise ValueError(f"unknown config arg {arg!r} for nova (variants: {', '.join(SHORT)} or "
-                     f"{', '.join(nova.VARIANTS)})")
+                     f"{', '.join(nova.VARIANTS)}, or random)")
   c = config_files.real_size(nova.nova_config(variant))
   c.num_iters = 1200
   c.sampling.update(num_steps=64, diffusion_steps="25", cfg_scale=5.0, cfg_schedule="constant", temperature=1.0,

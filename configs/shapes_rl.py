@@ -56,7 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.variant = variant
   c.seed = 0
   c.checkpoint = ""  # base model export; '' = the shipped base
-  c.init = ""        # 'random': start from a random-weight instance of config.model (the families' tiny configs)
+  c.init = ""        # 'random': start from a random-weight instance of config.model (the families' :random configs)
   c.tfds_dir = ""
   c.num_iters = 40
   c.parallel = mesh.config()  # device mesh, sharding rules, multi-host (margrpo_jax/parallel/mesh.py)

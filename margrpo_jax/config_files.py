@@ -79,20 +79,20 @@ def real_size(model_cfg: ml_collections.ConfigDict, prompts: str = CAPTIONS, bat
   return c
 
 
-TINY_CAPTIONS = os.path.join(CONFIGS, "prompts", "captions.txt")
+CAPTIONS_FILE = os.path.join(CONFIGS, "prompts", "captions.txt")  # the random instances' prompts
 
 
-def tiny(c: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
-  """A family's ``tiny`` config: its few-layer random-weight instance (``models/random_instance.py``) and
+def random_weights(c: ml_collections.ConfigDict, family: str) -> ml_collections.ConfigDict:
+  """A family's ``random`` config: its few-layer random-weight instance (``models/random_instance.py``) and
   MAR-GRPO settings sized for a CPU (two prompts of two images, 4 AR steps of which 2 scored, 2 MTE seeds), on a
   reward that needs no download (JPEG compressibility) and the shipped captions (class labels for MAR)."""
   c.mode = "rl"
   c.init = "random"
-  c.model = random_instance.tiny_config(family)
+  c.model = random_instance.model_config(family)
   c.num_iters = 2
   c.sampling.update(num_steps=4, diffusion_steps="10", clip_denoised=3.0)  # untrained eps: keep x0_hat bounded
   c.rl.update(group_size=2, prompts_per_iter=2, num_ar_steps=2, num_diffusion_steps=2, mte_seeds=2, remat=False,
-              prompt_file="" if family == "mar" else TINY_CAPTIONS)
+              prompt_file="" if family == "mar" else CAPTIONS_FILE)
   c.rl.rewards.update({k: 0.0 for k in c.rl.rewards})
   c.rl.rewards.jpeg_compressibility = 1.0
   c.optim.update(lr=1e-3)

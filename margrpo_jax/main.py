@@ -38,27 +38,29 @@ def user_errors() -> tuple[type[Exception], ...]:
 def prepare(config, workdir: str):
   """Every check of ``config`` for its mode, before anything is loaded or written: ``validate.check`` (every value
   and combination), then the job's own ``check`` (e.g. the ablation job validates each of its runs' configs).
-  Returns the job's module; raises one of :func:`user_errors`."""
+  Returns ``(job module, resolved)``: what the checks built for the job to run from (the RL step's
+  :class:`step.StepConfig`; None for the other modes), so the run uses the very object that was checked. Raises
+  one of :func:`user_errors`."""
   from margrpo_jax import validate
   if config.mode not in JOBS:
     raise UserError(f"config.mode={config.mode!r} is not one of {', '.join(MODES)}.")
   job = importlib.import_module(JOBS[config.mode])
-  validate.check(config, workdir)
+  resolved = validate.check(config, workdir)
   if hasattr(job, "check"):
     job.check(config)
-  return job
+  return job, resolved
 
 
 def _dispatch(config, workdir: str, allow_changes: bool = False):
   """Validate the whole config (:func:`prepare`), make sure a rerun is the same run, then run the job."""
   from margrpo_jax import validate, workdir_lock
   from margrpo_jax.parallel import hosts
-  job = prepare(config, workdir)
+  job, resolved = prepare(config, workdir)
   lock = workdir_lock.acquire(workdir) if config.mode in LOCKED and hosts.is_main() else None
   try:
     if config.mode in validate.RESUMABLE:
       validate.begin_run(config, workdir, allow_changes)
-    job.run(config, workdir)
+    job.run(config, workdir, **({} if resolved is None else {"resolved": resolved}))
   finally:
     workdir_lock.release(lock)
 

@@ -33,6 +33,7 @@ from margrpo_jax.models import families, objective, precision, random_instance
 from margrpo_jax.parallel import mesh as mesh_lib
 from margrpo_jax.rewards import clip_rewards, registry
 from margrpo_jax.rl import config as rl_config, estimators, lora, loss as loss_lib, prompts as rl_prompts
+from margrpo_jax.rl import step as step_lib
 from margrpo_jax.sampling import sampler, schedule
 from margrpo_jax.config_files import ConfigError
 
@@ -286,7 +287,9 @@ def check_learned_rewards(config, names, why: str) -> None:
         raise ConfigError(f"{what}={path} does not exist or is not a file")
 
 
-def check_rl(config) -> None:
+def check_rl(config) -> step_lib.StepConfig:
+  """The RL run's checks; returns its one :class:`step.StepConfig` (built from ``config`` and the base's own
+  fields), which the job runs from."""
   weights = {k: v for k, v in config.rl.rewards.items() if v}
   if not weights:
     raise ConfigError("rl.rewards gives every reward weight 0: set at least one (e.g. rl.rewards.shapes_strict=1)")
@@ -313,7 +316,7 @@ def check_rl(config) -> None:
                         "(python -m margrpo_jax.convert)")
     model_cfg, cls = _check_export(path, "config.checkpoint", "rl")
     _check_model(config, model_cfg, f"the model.json of {path}")
-  rl_config.step_config(config, model_cfg)  # every rl.* option, with the base's own fields (head kind, encoder)
+  static = rl_config.step_config(config, model_cfg)  # every rl.* option, with the base's fields (head, encoder)
   if config.rl.pretrain_mix and (not estimators.get(config.rl.estimator).REENCODES
                                  or model_cfg.family != "tiny" or config.rl.prompt_file):
     raise ConfigError(f"rl.pretrain_mix={config.rl.pretrain_mix} renders shapes-world train images for the "
@@ -329,6 +332,7 @@ def check_rl(config) -> None:
     raise ConfigError(f"rl.rewards.{verifier} is a shapes-world verifier reward, but the base is a "
                       f"{model_cfg.family} model (its images are not shapes-world images)")
   _check_rl_prompts(config, model_cfg, cls, verifier)
+  return static
 
 
 def _check_rl_prompts(config, model_cfg, cls, verifier) -> None:
@@ -421,8 +425,9 @@ def check_keys(config) -> None:
                       f"mode (configs/{name}.py)")
 
 
-def check(config, workdir: str) -> None:
-  """All of the above for ``config.mode``; resolves ``rl.fidelity`` in place first."""
+def check(config, workdir: str):
+  """All of the above for ``config.mode``; resolves ``rl.fidelity`` in place first. Returns what the mode's check
+  resolved for the job to run from (the RL step's :class:`step.StepConfig`), else None."""
   check_keys(config)
   if "rl" in config:
     for change in rl_config.resolve_fidelity(config):
@@ -433,7 +438,8 @@ def check(config, workdir: str) -> None:
   check_mesh(config)
   check_prompt_file(config)
   if config.mode in MODE_CHECKS:
-    MODE_CHECKS[config.mode](config)
+    return MODE_CHECKS[config.mode](config)
+  return None
 
 
 def _config_dict(config) -> dict:

@@ -132,7 +132,7 @@ def plan_checks(out):
   c.plan = dict(compile=True, dtypes="bfloat16")
   out["plan/shapes"] = plan.plan(c)
   for family in ("harmon", "nova"):  # the tiny instances: the real families' parameter trees and code paths
-    c = config_files.load(family, "tiny")
+    c = config_files.load(family, "random")
     c.rl.update(prompts_per_iter=4)
     c.parallel.mesh.update(data=2, fsdp=4, tensor=1)
     c.plan = dict(compile=True, dtypes="float32")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # whole jobs end to end (the fast tier skips them
 RL, PRETRAIN, SAMPLE, EVAL, ABLATION = (f"--config=configs/{n}.py" for n in
                                         ("shapes_rl", "shapes_pretrain", "shapes_sample", "shapes_eval",
                                          "shapes_ablation"))
-MAR, HARMON, NOVA = (f"--config=configs/{n}.py:tiny" for n in ("mar", "harmon", "nova"))
+MAR, HARMON, NOVA = (f"--config=configs/{n}.py:random" for n in ("mar", "harmon", "nova"))
 CAPTIONS = REPO / "configs" / "prompts" / "captions.txt"
 BASE = REPO / "margrpo_jax" / "assets" / "shapes_base"
 TOKENIZER = REPO / "margrpo_jax" / "assets" / "shapes_tokenizer"
@@ -118,6 +118,7 @@ CASES = [
     ("mode", "main", [SAMPLE, "--config.mode=fly"], "config.mode='fly'"),
     ("missing_config_file", "main", ["--config=configs/no_such.py"], "configs/no_such.py"),
     ("unknown_preset", "main", ["--config=configs/shapes_rl.py:focussed"], "'focussed'"),
+    ("renamed_config_arg", "main", ["--config=configs/mar.py:tiny"], "config arg 'tiny' is now 'random'"),
     ("sample_ckpt_missing", "main", [SAMPLE, "--config.checkpoint=/no/such/ckpt"], "/no/such/ckpt"),
     ("sample_prompt_file_json", "main", [SAMPLE, "--config.prompt_file={T}/bad.jsonl"], "line 2: not valid JSON"),
     ("empty_window", "main", [RL, "--config.rl.diffusion_window=20:10"], "window 20:10 holds no diffusion step"),

@@ -22,8 +22,8 @@ from margrpo_jax import main as entry
 pytestmark = pytest.mark.slow  # about two minutes: every model config is traced once per distinct value
 
 CONFIGS = [("shapes_rl", "smoke"), ("shapes_pretrain", "smoke"), ("shapes_sample", None), ("shapes_eval", None),
-           ("shapes_ablation", None), ("shapes_tokenizer", "smoke"), ("mar", "tiny"), ("harmon", "tiny"),
-           ("nova", "tiny")]
+           ("shapes_ablation", None), ("shapes_tokenizer", "smoke"), ("mar", "random"), ("harmon", "random"),
+           ("nova", "random")]
 MUTATIONS = {"wrong_type": "not_a_value", "nan": "nan", "inf": "inf", "-inf": "-inf", "huge": "1e12",
              "negative": "-1", "empty": ""}
 ANY = frozenset(MUTATIONS)

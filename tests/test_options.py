@@ -25,8 +25,8 @@ from margrpo_jax.rl import advantages, augment, config as rl_config, estimators
 from margrpo_jax.sampling import sampler, schedule
 
 CONFIGS = [("shapes_rl", "smoke"), ("shapes_rl", "paper,smoke"), ("shapes_rl", "image_elbo,smoke"),
-           ("shapes_pretrain", "smoke"), ("shapes_sample", None), ("shapes_eval", None), ("mar", "tiny"),
-           ("harmon", "tiny"), ("nova", "tiny")]
+           ("shapes_pretrain", "smoke"), ("shapes_sample", None), ("shapes_eval", None), ("mar", "random"),
+           ("harmon", "random"), ("nova", "random")]
 
 
 def option_tables() -> dict:
@@ -107,7 +107,7 @@ def range_tables() -> dict:
   learned = {f"rewards.{name}.": registry.SETTING_RANGES for name in registry.LEARNED}
   return {("shapes_pretrain", "smoke", "optim.", validate.check_values): optim.RANGES,
           ("shapes_sample", None, "sampling.", validate.check_values): sampler.RANGES,
-          ("nova", "tiny", "sampling.", validate.check_values): sampler.RANGES,  # + the flow sampler's noise level
+          ("nova", "random", "sampling.", validate.check_values): sampler.RANGES,  # + the flow sampler's noise level
           ("shapes_rl", "smoke", "rl.", _checks): rl_config.RANGES,
           ("shapes_pretrain", "smoke", "", pretrain.check): pretrain.RANGES,
           ("shapes_tokenizer", "smoke", "", tokenizer.check): tokenizer.RANGES,
@@ -184,7 +184,7 @@ def test_every_host_side_choice_runs_in_its_consumer(tmp_path):
     dtypes = {getattr(m, "dtype", None) for _, m in nnx.iter_modules(nnx.merge(g, params))}
     assert (jdtype or jnp.float32) in dtypes or (jdtype is None and None in dtypes)
   for init in random_instance.INITS:
-    c = config_files.load("mar", "tiny")
+    c = config_files.load("mar", "random")
     c.init, c.checkpoint = init, ""
     if init == "random":
       assert rl_job.base_checkpoint(c, str(tmp_path)).startswith(str(tmp_path))
@@ -203,3 +203,19 @@ def test_every_one_sentence_error_derives_from_the_one_user_error_base():
               fileio.UnsupportedPath, families.UnknownFamily):
     assert issubclass(cls, errors.UserError) and issubclass(cls, ValueError), cls
   assert issubclass(workdir_lock.WorkdirInUse, errors.UserError)
+
+
+def test_the_entry_point_runs_the_job_from_the_step_config_it_checked(tmp_path, monkeypatch):
+  """One resolution per run: ``main.prepare`` returns the :class:`step.StepConfig` that ``validate.check_rl`` built
+  (fidelity resolved first), and ``main._dispatch`` hands that very object to the RL job."""
+  from margrpo_jax import checkpoint, main
+  c = config_files.load("shapes_rl", "paper,smoke")
+  job, resolved = main.prepare(c, str(tmp_path / "w"))
+  base = checkpoint.read_model_config(rl_job.base_checkpoint(c))
+  assert job is rl_job and resolved == rl_config.step_config(c, base)
+  assert c.rl.official.mask_after_step  # fidelity='official' resolved in place before the step config was built
+  seen = {}
+  monkeypatch.setattr(rl_job, "run", lambda config, workdir, resolved=None: seen.update(static=resolved))
+  monkeypatch.setattr(main, "prepare", lambda config, workdir: (rl_job, resolved))
+  main._dispatch(c, str(tmp_path / "w"))
+  assert seen["static"] is resolved

@@ -124,7 +124,7 @@ def test_every_parameter_has_a_sharding_rule():
   from conftest import small_model_config
   from margrpo_jax.models import random_instance  # the real families' parameter trees at tiny widths
   for cfg in (small_model_config(), class_mar.mar_config("base"),
-              *(random_instance.tiny_config(f) for f in random_instance.FAMILIES)):
+              *(random_instance.model_config(f) for f in random_instance.FAMILIES)):
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda cfg=cfg: families.build(cfg))))
     for path, x in jax.tree_util.tree_leaves_with_path(params):
       axes = sharding.logical_axes(sharding.path_str(path), len(x.shape))  # raises when no rule matches

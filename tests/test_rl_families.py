@@ -23,7 +23,7 @@ def _leaves(tree):
                                              ("nova", "official")])
 @pytest.mark.slow
 def test_tiny_family_rl_end_to_end(family, fidelity, tmp_path):
-  config = config_files.load(family, "tiny")
+  config = config_files.load(family, "random")
   config.eval.update(num_prompts=2, batch_size=2)
   config.rl.fidelity = fidelity  # official NOVA: per-pixel U + 1 random pixel, unguided commit-time MTE, bf16 ...
   rl_config.resolve_fidelity(config)  # as the entry point does
@@ -64,7 +64,7 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   """``rl.fidelity=official`` on a flow-head model writes the official NOVA values (the pre-step mask, unguided
   commit-time MTE, channel mean, diffusion steps drawn per AR step, bfloat16 log-probs, U per latent pixel + 1
   random pixel) on top of the shared official switches; on Harmon the post-step mask (B1)."""
-  c = config_files.load("nova", "tiny")
+  c = config_files.load("nova", "random")
   c.rl.fidelity = "official"
   rl_config.resolve_fidelity(c)
   assert {k: rl_config.block_of(c.rl, k)[k] for k in rl_config.OFFICIAL_NOVA} == rl_config.OFFICIAL_NOVA
@@ -73,7 +73,7 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
   assert not sc.batch.mte_commit_guided and sc.flow == (0.7, 1.0) and sc.sampler.mask_schedule == "cos_round"
   assert not sc.batch.mask_after_step  # NOVA: visibility = known before step i, region includes its decoded tokens
   assert (sc.batch.uncertainty_unit, sc.batch.pixel_channels, sc.batch.topk_random) == ("pixel", 4, 1)
-  h = config_files.load("harmon", "tiny")
+  h = config_files.load("harmon", "random")
   h.rl.fidelity = "official"
   rl_config.resolve_fidelity(h)
   assert {k: rl_config.block_of(h.rl, k)[k] for k in rl_config.OFFICIAL} == rl_config.OFFICIAL
@@ -85,7 +85,7 @@ def test_tiny_configs_sample_from_their_random_base(tmp_path):
   """``mode=sample`` on a tiny config needs no checkpoint: the random-weight base is written once into
   ``W/random_base`` and reused (the same export RL starts from)."""
   from margrpo_jax.jobs import sample
-  c = config_files.load("mar", "tiny")
+  c = config_files.load("mar", "random")
   ckpt, model_cfg, _, _ = sample.load_for_sampling(c, str(tmp_path))
   assert ckpt == str(tmp_path / "random_base" / "model") and model_cfg.family == "mar"
   assert model_cfg.vae_checkpoint == str(tmp_path / "random_base" / "vae")

@@ -31,9 +31,9 @@ def check(config) -> None:
   parse(config)
 
 
-def parse(config, workdir: str = "") -> list[tuple[str, int, object, str]]:
-  """``[(variant, seed, rl config, run workdir)]`` of the experiment, every run's config validated (one sentence
-  naming the variant for the first that cannot work)."""
+def parse(config, workdir: str = "") -> list[tuple[str, int, object, str, object]]:
+  """``[(variant, seed, rl config, run workdir, its step config)]`` of the experiment, every run's config validated
+  (one sentence naming the variant for the first that cannot work)."""
   rl_path = config.rl_config or "shapes_rl"
   try:
     seeds = [int(s) for s in str(config.seeds).split(",") if s.strip()]
@@ -56,20 +56,20 @@ def parse(config, workdir: str = "") -> list[tuple[str, int, object, str]]:
                                           tfds_dir=config.tfds_dir or os.path.join(workdir, "tfds")))
         rl_config.resolve_fidelity(c)
         validate.check_values(c)
-        validate.check_rl(c)
+        static = validate.check_rl(c)
       except (config_files.ConfigError, ValueError, KeyError, AttributeError, TypeError) as e:
         msg = str(e).strip().strip("'\"").rstrip(".")
         raise config_files.ConfigError(f"ablation variant {variant!r} (seed {seed}, {rl_path}): {msg}") from None
-      out.append((variant, seed, c, os.path.join(workdir, variant, f"seed{seed}")))
+      out.append((variant, seed, c, os.path.join(workdir, variant, f"seed{seed}"), static))
   return out
 
 
 def run(config, workdir: str) -> dict:
   results = {}
-  for variant, seed, c, wd in parse(config, workdir):
+  for variant, seed, c, wd, static in parse(config, workdir):
     if not fileio.exists(os.path.join(wd, "report.json")):
       logging.info("ablation: %s seed %d -> %s", variant, seed, wd)
-      rl_job.run(c, wd)
+      rl_job.run(c, wd, resolved=static)
     rep = json.loads(fileio.read_text(os.path.join(wd, "report.json")))
     results.setdefault(variant, []).append(dict(seed=seed, history=fileio.read_jsonl(os.path.join(wd, "metrics.jsonl")),
                                                 report=rep, prompts=(c.rl.prompts_per_iter, c.rl.group_size)))

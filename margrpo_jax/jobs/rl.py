@@ -13,7 +13,7 @@ Any generator family (``models/families.py``): the shapes-world model, MAR (clas
 flow head scored on the recorded SDE transitions); prompts from ``rl/prompts.py`` (the shapes world, class labels
 or a prompt file), rewards from the registry, evaluation on the eval prompts with the RL rewards (mean and spread;
 strict pass and the per-task table too when the prompts are shapes-world prompts). A config with ``init='random'``
-(``configs/{mar,harmon,nova}.py:tiny``) starts from a random-weight instance of its family written into
+(``configs/{mar,harmon,nova}.py:random``) starts from a random-weight instance of its family written into
 ``W/random_base`` (``models/random_instance.py``).
 
 Iteration ``it`` draws everything from ``fold_in(key(seed), it)`` and the prompts from ``(seed, it)``, and the
@@ -145,14 +145,16 @@ def base_checkpoint(config, workdir: str | None = None) -> str:
   return checkpoint.resolve("shapes_base")
 
 
-def setup(config, params_override=None, workdir: str | None = None) -> Setup:
+def setup(config, params_override=None, workdir: str | None = None,
+          static: step_lib.StepConfig | None = None) -> Setup:
   """Load the base (:func:`base_checkpoint`), place it on the mesh of ``config.parallel`` and build the static
-  parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint."""
+  parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint; ``static``: the step
+  config ``validate.check_rl`` built and checked (the entry point hands it over), else built here."""
   model_cfg, graphdef, params = params_override or checkpoint.load_model(base_checkpoint(config, workdir))
   graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"))
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
-  static = rl_config.step_config(config, model_cfg)  # validated (validate.check_rl did it before the entry point ran)
+  static = static or rl_config.step_config(config, model_cfg)
   params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
   lora_key = rng.stream(jax.random.key(config.seed), "lora")  # LoRA: A's draws
   policy, frozen = lora_lib.split(params, static.trainable, static.lora, lora_key)
@@ -286,11 +288,13 @@ def diversity_spent(config, history: list[dict]) -> bool:
 MAX_SKIPPED = 3  # iterations in a row with a non-finite reward before the run stops (one sentence, exit 1)
 
 
-def run(config, workdir: str, max_iters_this_run: int | None = None) -> dict:
-  """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``."""
+def run(config, workdir: str, max_iters_this_run: int | None = None,
+        resolved: step_lib.StepConfig | None = None) -> dict:
+  """MAR-GRPO from ``config.checkpoint`` (the shipped base by default); resumable in ``workdir``. ``resolved``:
+  the step config the entry point's checks built (:func:`setup`)."""
   validate.begin_run(config, workdir)  # a rerun must be the same run
   writer = metric_writers.create_default_writer(workdir, just_logging=not hosts.is_main())
-  s = setup(config, workdir=workdir)
+  s = setup(config, workdir=workdir, static=resolved)
   model_cfg, graphdef = s.model_cfg, s.graphdef
   train_recs, eval_recs = rl_prompts.load(config, model_cfg, config.tfds_dir or os.path.join(workdir, "tfds"))
   shapes_task = verifiable(model_cfg, eval_recs)

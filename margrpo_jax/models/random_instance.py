@@ -1,9 +1,9 @@
-r"""Few-layer random-weight instances of the real families (``configs/{mar,harmon,nova}.py:tiny``): the families'
+r"""Few-layer random-weight instances of the real families (``configs/{mar,harmon,nova}.py:random``): the families'
 own code paths (MAR's class embedding, Harmon's Qwen2.5 between the MAR encoder and decoder, NOVA's Phi-2, video
 encoder and flow head, each with its VAE decoder) at small widths, built from nothing outside the repository.
 
-:func:`tiny_config` gives the model config of a family; :func:`materialize` writes, once per folder, everything a
-converted checkpoint would bring for a model config (``config.model`` of a tiny config): the model export (``model/``, random weights drawn from ``seed``), a VAE export
+:func:`model_config` gives the model config of a family; :func:`materialize` writes, once per folder, everything a
+converted checkpoint would bring for a model config (``config.model`` of a ``:random`` config): the model export (``model/``, random weights drawn from ``seed``), a VAE export
 (``vae/``, random weights) and, for the text families, a byte-level ``tokenizer.json`` (every UTF-8 byte is one
 token, plus Qwen's chat special tokens; no merges, so no training data). The model's ``model.json`` points at the
 other two, so sampling, RL, eval and export treat the folder like any converted checkpoint.
@@ -28,18 +28,18 @@ FAMILIES = ("mar", "harmon", "nova")
 INITS = ("", "random")  # config.init: '' = the checkpoint (or the shipped base) | 'random': materialize() here
 
 
-def tiny_config(family: str) -> ml_collections.ConfigDict:
-  """The model config of the ``family``'s tiny instance (module docstring)."""
+def model_config(family: str) -> ml_collections.ConfigDict:
+  """The model config of the ``family``'s random-weight instance (module docstring)."""
   if family == "mar":
     from margrpo_jax.models import class_mar
     cfg = class_mar.mar_config("base")
-    cfg.update(size="tiny", num_classes=10, buffer_size=4, seq_len=64)
+    cfg.update(size="random", num_classes=10, buffer_size=4, seq_len=64)
     cfg.backbone.update(width=32, encoder_depth=1, decoder_depth=1, num_heads=2)
     cfg.head.update(width=32, depth=1)
   elif family == "harmon":
     from margrpo_jax.models import harmon
     cfg = harmon.harmon_config("0.5b", image_size=128, text_len=96)
-    cfg.update(size="tiny", pos_seq_len=16, buffer_size=4)
+    cfg.update(size="random", pos_seq_len=16, buffer_size=4)
     cfg.llm.update(vocab_size=272, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48,
                    num_layers=2)
     cfg.mar.update(width=32, num_heads=2, num_classes=10, encoder_depth=1, decoder_depth=1)
@@ -93,7 +93,7 @@ def _save(folder: str, cfg: ml_collections.ConfigDict, seed: int) -> str:
 
 
 def materialize(model_cfg: ml_collections.ConfigDict, folder: str, seed: int = 0) -> str:
-  """Write a random-weight instance of ``model_cfg`` (a :func:`tiny_config`, possibly overridden) under
+  """Write a random-weight instance of ``model_cfg`` (a :func:`model_config`, possibly overridden) under
   ``folder`` (kept when already there); returns the model export. Deterministic in ``seed``."""
   family = model_cfg.family
   if family not in FAMILIES:

@@ -1,8 +1,8 @@
-"""MAR-GRPO end to end on every real family, on the tiny random-weight instances of ``configs/{mar,harmon,nova}.py:
-tiny`` (their own code paths and VAEs, nothing downloaded): the RL job runs, the policy moves, the frozen parts
-(diffusion head, text encoder / LLM, ...) stay bit-identical, the first update's ratio is 1 (every recorded
-transition rescored exactly: with CFG as sampled, and for NOVA through the flow SDE), report.json has the base
-and final reward means on the same prompts, and rerunning the same command resumes."""
+"""MAR-GRPO end to end on every real family, on the few-layer random-weight instances of
+``configs/{mar,harmon,nova}.py:random`` (their own code paths and VAEs, nothing downloaded): the RL job runs, the
+policy moves, the frozen parts (diffusion head, text encoder / LLM, ...) stay bit-identical, the first update's
+ratio is 1 (every recorded transition rescored exactly: with CFG as sampled, and for NOVA through the flow SDE),
+report.json has the base and final reward means on the same prompts, and rerunning the same command resumes."""
 import json
 
 import jax
@@ -22,7 +22,7 @@ def _leaves(tree):
 @pytest.mark.parametrize("family,fidelity", [("mar", "intended"), ("harmon", "intended"), ("nova", "intended"),
                                              ("nova", "official")])
 @pytest.mark.slow
-def test_tiny_family_rl_end_to_end(family, fidelity, tmp_path):
+def test_random_instance_rl_end_to_end(family, fidelity, tmp_path):
   config = config_files.load(family, "random")
   config.eval.update(num_prompts=2, batch_size=2)
   config.rl.fidelity = fidelity  # official NOVA: per-pixel U + 1 random pixel, unguided commit-time MTE, bf16 ...
@@ -81,8 +81,8 @@ def test_official_fidelity_on_nova_sets_the_official_nova_switches():
 
 
 @pytest.mark.slow
-def test_tiny_configs_sample_from_their_random_base(tmp_path):
-  """``mode=sample`` on a tiny config needs no checkpoint: the random-weight base is written once into
+def test_random_configs_sample_from_their_random_base(tmp_path):
+  """``mode=sample`` on a ``:random`` config needs no checkpoint: the random-weight base is written once into
   ``W/random_base`` and reused (the same export RL starts from)."""
   from margrpo_jax.jobs import sample
   c = config_files.load("mar", "random")

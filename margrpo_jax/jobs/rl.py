@@ -154,7 +154,8 @@ def setup(config, params_override=None, workdir: str | None = None,
   graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"))
   mesh = mesh_lib.make_mesh(config.parallel.mesh)
   rules = sharding.hashable_rules(config.parallel.rules)
-  static = static or rl_config.step_config(config, model_cfg)
+  if static is None:
+    static = rl_config.step_config(config, model_cfg)
   params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
   lora_key = rng.stream(jax.random.key(config.seed), "lora")  # LoRA: A's draws
   policy, frozen = lora_lib.split(params, static.trainable, static.lora, lora_key)

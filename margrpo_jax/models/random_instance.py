@@ -3,9 +3,10 @@ own code paths (MAR's class embedding, Harmon's Qwen2.5 between the MAR encoder 
 encoder and flow head, each with its VAE decoder) at small widths, built from nothing outside the repository.
 
 :func:`model_config` gives the model config of a family; :func:`materialize` writes, once per folder, everything a
-converted checkpoint would bring for a model config (``config.model`` of a ``:random`` config): the model export (``model/``, random weights drawn from ``seed``), a VAE export
-(``vae/``, random weights) and, for the text families, a byte-level ``tokenizer.json`` (every UTF-8 byte is one
-token, plus Qwen's chat special tokens; no merges, so no training data). The model's ``model.json`` points at the
+converted checkpoint would bring for a model config (``config.model`` of a ``:random`` config): the model export
+(``model/``, random weights drawn from ``seed``), a VAE export (``vae/``, random weights) and, for the text
+families, a byte-level ``tokenizer.json`` (every UTF-8 byte is one token, plus Qwen's chat special tokens; no
+merges, so no training data). The model's ``model.json`` points at the
 other two, so sampling, RL, eval and export treat the folder like any converted checkpoint.
 
 Token layout: MAR and Harmon sample KL-16-style latents (16 channels, one latent pixel per token); NOVA samples

@@ -153,6 +153,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
                                   # and eval); params, grads, optimizer state and log-probs stay float32
                                   # (models/precision.py)
+      frozen_dtype="float32",     # 'bfloat16': the parts no optimizer sees (the frozen head, the tokenizer side, the
+                                  # LoRA base) and the reference policy stored in bf16, half their bytes; the policy
+                                  # starts at the same rounded values; layers still compute in float32 (rl/step.py)
       # LoRA (margrpo_jax/rl/lora.py): rank > 0 trains only W' = W + (alpha / rank) A B on the targeted kernels of
       # the trained components (A random, B zero: starts at the base); the base, the reference, is frozen and the
       # export merges the adapters into ordinary weights. rank 0 = full fine-tuning.

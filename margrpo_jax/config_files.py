@@ -74,7 +74,8 @@ def real_size(model_cfg: ml_collections.ConfigDict, prompts: str = CAPTIONS, bat
   c.batch_size = batch_size
   c.grid_size = grid_size
   c.parallel.mesh.update(data=1, fsdp=-1, tensor=1)  # FSDP over every device: optimizer states are large
-  c.plan = dict(compile=True, dtypes="float32,bfloat16")  # the memory of both compute dtypes
+  c.plan = dict(compile=True, dtypes="float32,bfloat16",  # the memory of both compute dtypes
+                variants="")  # e.g. "rl.remat=False,rl.lora.rank=16": each also planned (jobs/plan.py)
   c.rl.rewards.update({k: 0.0 for k in c.rl.rewards})  # the family's config names its reward
   return c
 

@@ -106,8 +106,11 @@ class Setup:
 
   @property
   def base_policy(self) -> dict:
-    """The base's trained components theta_0 as full weights (rank 0: :attr:`policy` itself)."""
-    return {k: self.params[k] for k in self.static.trainable}
+    """The base's trained components theta_0 as float32 full weights, as the run holds them (rank 0: the policy's
+    start, :attr:`policy`; LoRA: those of :attr:`frozen`, rounded under ``rl.frozen_dtype='bfloat16'``)."""
+    if not self.static.lora.rank:
+      return self.policy
+    return precision.stored({k: self.frozen[k] for k in self.static.trainable}, "float32")
 
   def model_params(self, policy: dict) -> dict:
     """The model's parameters with ``policy`` (the state's, its EMA, or :attr:`ref`): :func:`lora.assemble`."""
@@ -125,8 +128,8 @@ class Setup:
 
   def trained_params(self, state: dict) -> dict:
     """The fine-tuned model's parameters (the base's tree, ordinary weights): the frozen parts with
-    :meth:`trained_policy`."""
-    return {**self.frozen, **self.trained_policy(state)}
+    :meth:`trained_policy` (float32: a frozen part stored in bfloat16 is exported at its rounded values)."""
+    return {**precision.stored(self.frozen, "float32"), **self.trained_policy(state)}
 
 
 def base_checkpoint(config, workdir: str | None = None) -> str:
@@ -151,14 +154,14 @@ def setup(config, params_override=None, workdir: str | None = None,
   parts. ``params_override``: ``(model_cfg, graphdef, params)`` instead of a checkpoint; ``static``: the step
   config ``validate.check_rl`` built and checked (the entry point hands it over), else built here."""
   model_cfg, graphdef, params = params_override or checkpoint.load_model(base_checkpoint(config, workdir))
-  graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"))
-  mesh = mesh_lib.make_mesh(config.parallel.mesh)
-  rules = sharding.hashable_rules(config.parallel.rules)
   if static is None:
     static = rl_config.step_config(config, model_cfg)
+  graphdef = precision.with_compute(graphdef, params, config.rl.get("compute_dtype", "float32"), static.frozen_dtype)
+  mesh = mesh_lib.make_mesh(config.parallel.mesh)
+  rules = sharding.hashable_rules(config.parallel.rules)
   params = jax.device_put(params, sharding.param_shardings(mesh, params, rules))
   lora_key = rng.stream(jax.random.key(config.seed), "lora")  # LoRA: A's draws
-  policy, frozen = lora_lib.split(params, static.trainable, static.lora, lora_key)
+  policy, frozen, ref = step_lib.halves(params, static, lora_key)  # rl.frozen_dtype: frozen parts, reference
   sigs = (sharding.signature(policy), sharding.signature(frozen))
   tx, step_fn = step_lib.compiled_step(graphdef, static, mesh, rules, sigs)
   diff = step_lib.make_chain(static)  # the Gaussian head's respaced diffusion, or NOVA's flow SDE
@@ -168,7 +171,7 @@ def setup(config, params_override=None, workdir: str | None = None,
                                      ema=bool(static.ema_decay))["out_shardings"][0]
   policy = jax.device_put(policy, state_sh["policy"])  # LoRA: the new adapters placed (the rest already are)
   # the reference: with LoRA the base itself (no adapters, no copy); else a frozen copy, never donated
-  ref = {} if static.lora.rank else jax.device_put(jax.tree.map(jnp.copy, policy), state_sh["policy"])
+  ref = jax.device_put(jax.tree.map(jnp.copy, ref), state_sh["policy"]) if ref else ref
   return Setup(model_cfg, graphdef, params, policy, frozen, ref, tx, step_fn, rollout_fn, diff, static, mesh,
                state_sh)
 

@@ -17,6 +17,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -210,7 +211,7 @@ def signature(tree):
 def abstract(sig):
   """The tree of ``ShapeDtypeStruct`` that :func:`signature` describes."""
   treedef, leaves = sig
-  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, np.dtype(d)) for s, d in leaves])
+  return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in leaves])
 
 
 def hashable_rules(rules) -> tuple:

@@ -14,7 +14,7 @@ from flax import nnx
 
 from margrpo_jax import config_files
 from margrpo_jax.diffusion import gaussian
-from margrpo_jax.models import families, objective
+from margrpo_jax.models import families, objective, precision
 from margrpo_jax.rewards import registry
 from margrpo_jax.rl import (advantages, augment, batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib,
                             step as step_lib)
@@ -40,7 +40,7 @@ ROLLOUT_POLICIES = ("policy", "base")   # rl.rollout_policy: the rollouts' sampl
 # the dataclasses' own (:data:`STEP_OPTIONS`, from rl/loss.py and rl/batch.py) are checked by step_config too.
 OPTIONS = dict(fidelity=FIDELITIES, advantage=advantages.KINDS, reward_norm=registry.NORMALIZE,
                estimator=estimators.NAMES, anchor=forward_lib.ANCHORS, rollout_policy=ROLLOUT_POLICIES,
-               augment=augment.KINDS)
+               augment=augment.KINDS, frozen_dtype=tuple(precision.DTYPES))
 STEP_OPTIONS = {k: v for k, v in {**loss_lib.OPTIONS, **batch_lib.OPTIONS}.items() if k != "logp"}  # logp: estimator's
 config_key = loss_lib.config_key  # rl.official.<switch> or rl.<key>
 # rl.<key> -> (low, high, low included, high included) of the numbers step_config reads (the step's own counts and
@@ -237,7 +237,7 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
                            sequential=o.sequential_updates,
                            estimator=rl.estimator, forward=fcfg,
                            ema_decay=float(rl.ema_decay), export_interpolation=float(rl.export_interpolation),
-                           lora=lora_cfg, respacing=str(config.sampling.diffusion_steps),
+                           lora=lora_cfg, frozen_dtype=rl.frozen_dtype, respacing=str(config.sampling.diffusion_steps),
                            optim=config.optim.to_json(sort_keys=True),
                            total_steps=config.num_iters * rl.num_inner * rl.num_minibatches,
                            flow=(noise, float(config.sampling.get("flow_shift", 1.0))) if is_flow else None)

@@ -102,11 +102,12 @@ def _is_adapter(node) -> bool:
 
 
 def merge(base, adapters, scale: float):
-  """``base`` with every adapted kernel replaced by ``W + scale A B`` (in ``W``'s dtype); leaves without an adapter
-  are ``base``'s own (not copied). Pure and jittable; ``merge(base, {}, s)`` is ``base``."""
+  """``base`` with every adapted kernel replaced by ``W + scale A B`` (in float32 when ``W`` is stored in bfloat16,
+  ``rl.frozen_dtype``: the adapters' small update is not rounded away); leaves without an adapter are ``base``'s own
+  (not copied). Pure and jittable; ``merge(base, {}, s)`` is ``base``."""
   if _is_adapter(adapters):
     delta = scale * jnp.matmul(adapters["lora_a"], adapters["lora_b"])
-    return base + delta.astype(base.dtype)
+    return base.astype(jnp.promote_types(base.dtype, delta.dtype)) + delta
   return {**base, **{k: merge(base[k], v, scale) for k, v in adapters.items()}}
 
 

@@ -22,7 +22,8 @@ The trained ``policy`` lives in the donated ``state = {step, policy, opt}``; ``f
 it is trained, the tokenizer-side parts) and ``ref`` (the frozen reference policy) are plain arguments that no
 optimizer ever sees. With LoRA (``sc.lora.rank > 0``, ``rl/lora.py``) the policy is the adapter tree, ``frozen``
 every base weight and ``ref`` the empty tree (the base: adapters off); the model is always
-``lora.assemble(frozen, policy)``. Everything static is one hashable :class:`StepConfig`.
+``lora.assemble(frozen, policy)``. With ``rl.frozen_dtype='bfloat16'`` ``frozen`` and ``ref`` are stored
+in bfloat16 (:func:`halves`). Everything static is one hashable :class:`StepConfig`.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from flax import nnx
 
 from margrpo_jax import optim
 from margrpo_jax.diffusion import flow, gaussian
-from margrpo_jax.models import layers
+from margrpo_jax.models import layers, precision
 from margrpo_jax.parallel import sharding
 from margrpo_jax.rl import batch as batch_lib, estimators, lora as lora_lib, loss as loss_lib
 from margrpo_jax.rl.estimators import forward as forward_lib
@@ -61,6 +62,7 @@ class StepConfig:
   ema_decay: float = 0.0       # > 0: an EMA of the policy in the state (exported and evaluated)
   export_interpolation: float = 1.0  # a in (0, 1]: export and evaluate theta_0 + a (theta - theta_0) (WiSE-FT)
   lora: lora_lib.LoraConfig = lora_lib.LoraConfig()  # rank > 0: the policy is LoRA adapters over the frozen base
+  frozen_dtype: str = "float32"  # how the frozen parts and the reference are stored ('bfloat16': half the bytes)
   respacing: str = "25"        # the rollout's diffusion steps (a respacing of num_train_steps)
   optim: str = "{}"            # config.optim as JSON (hashable)
   total_steps: int = 1         # optimizer steps over the run (the learning-rate schedule's length)
@@ -81,6 +83,21 @@ def make_chain(sc: StepConfig):
   if sc.flow is not None:
     return flow.make_flow(int(sc.respacing), sc.flow[0], sc.flow[1], sc.num_train_steps)
   return gaussian.make_diffusion(sc.num_train_steps, sc.respacing)
+
+
+def halves(params: dict, sc: StepConfig, key: jax.Array) -> tuple[dict, dict, dict]:
+  """``(policy, frozen, ref)`` of the base ``params``: the trained policy and the frozen rest (:func:`lora.split`;
+  ``key`` draws LoRA's A) and the frozen reference (LoRA: ``{}``, the base with adapters off; else the policy's
+  values). With ``sc.frozen_dtype='bfloat16'`` the frozen parts and the reference are stored in bfloat16 and the
+  policy (float32) starts at the same rounded values, so that policy = reference at the start; every layer still
+  computes in float32 on the rounded weights (:func:`precision.stored`), log-probs included. Works on abstract
+  (``ShapeDtypeStruct``) trees too (plan mode)."""
+  policy, frozen = lora_lib.split(params, sc.trainable, sc.lora, key)
+  frozen = precision.stored(frozen, sc.frozen_dtype)
+  if sc.lora.rank:
+    return policy, frozen, {}
+  policy = precision.stored(precision.stored(policy, sc.frozen_dtype), "float32")
+  return policy, frozen, precision.stored(policy, sc.frozen_dtype)
 
 
 def assemble(frozen, policy, sc: StepConfig) -> dict:

@@ -67,6 +67,10 @@ CELLS = {
     # b. chain on the decoded tokens, every AR step, every window step
     "chain_decoded_b01": Cell("focused", (("rl.beta", 0.01),), "chain, decoded tokens, KL 0.01"),
     "chain_decoded_b04": Cell("focused", (("rl.beta", 0.04),), "chain, decoded tokens, KL 0.04"),
+    "chain_decoded_b04_lr1e4": Cell("focused", (("rl.beta", 0.04), ("optim.lr", 1e-4)),
+                                    "chain, decoded tokens, KL 0.04, lr 1e-4"),
+    "chain_decoded_b04_lr1e5": Cell("focused", (("rl.beta", 0.04), ("optim.lr", 1e-5)),
+                                    "chain, decoded tokens, KL 0.04, lr 1e-5"),
     # c. positive-only chain; a trust region that acts
     "chain_positive": Cell("focused", (("rl.positive_only", True),), "chain, decoded tokens, A >= 0"),
     "chain_ppo": Cell("focused", (("rl.num_inner", 2), ("rl.num_minibatches", 2)),

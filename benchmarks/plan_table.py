@@ -1,8 +1,8 @@
 r"""The real-size memory table: every family's RL step at the paper's settings on 8 simulated devices, with and
 without each memory measure, from plan mode (``margrpo_jax/jobs/plan.py``), written into the README.
 
-    python benchmarks/plan_table.py [--models=mar:base,harmon:1.5b,...] [--record=benchmarks/results/plan.jsonl]
-        [--redo] [--write=README.md,docs/reference.md]
+    python benchmarks/plan_table.py [--models=MAR-B,Harmon-1.5B,...] [--record=benchmarks/results/plan.jsonl]
+        [--redo] [--jobs=N] [--write=README.md,docs/reference.md]
 
 Each model is one plan-mode run in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
 (``fsdp=8``, float32, ``rl.remat`` on as the real-size configs set it) and ``plan.variants`` = :data:`MEASURES`:
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from concurrent import futures
 import os
 import re
 import subprocess
@@ -104,6 +105,7 @@ def main() -> None:
   ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names of MODELS")
   ap.add_argument("--record", default=os.path.join(HERE, "results", "plan.jsonl"))
   ap.add_argument("--redo", action="store_true", help="plan models already in the record again")
+  ap.add_argument("--jobs", type=int, default=1, help="models planned at once")
   ap.add_argument("--write", default="README.md,docs/reference.md", help="files whose plan block is regenerated")
   args = ap.parse_args()
   names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -111,15 +113,14 @@ def main() -> None:
   if unknown:
     raise SystemExit(f"--models names {unknown[0]!r}, not one of {', '.join(MODELS)}")
   records = [json.loads(l) for l in open(args.record)] if os.path.exists(args.record) else []
-  for i, name in enumerate(names):
-    if not args.redo and any(r["model"] == name for r in records):
-      continue
-    print(f"[{i + 1}/{len(names)}] planning {name} ...", flush=True)
-    r = plan_model(name)
-    print(json.dumps(r), flush=True)
-    records = [x for x in records if x["model"] != name] + [r]
-    with open(args.record, "w") as f:
-      f.writelines(json.dumps(x) + "\n" for x in records)
+  todo = [n for n in names if args.redo or not any(r["model"] == n for r in records)]
+  print(f"planning {', '.join(todo) or 'nothing'} ({args.jobs} at a time)", flush=True)
+  with futures.ThreadPoolExecutor(args.jobs) as pool:  # each plan is its own process (compiles: one core each)
+    for r in (f.result() for f in futures.as_completed([pool.submit(plan_model, n) for n in todo])):
+      print(json.dumps(r), flush=True)
+      records = [x for x in records if x["model"] != r["model"]] + [r]
+      with open(args.record, "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in records)
   text = table(records)
   print(text)
   for path in (p.strip() for p in args.write.split(",") if p.strip()):

@@ -26,7 +26,7 @@ from flax import nnx
 from margrpo_jax import config_files
 from margrpo_jax.models import families, precision
 from margrpo_jax.parallel import mesh as mesh_lib, sharding
-from margrpo_jax.rl import config as rl_config, lora as lora_lib, step as step_lib
+from margrpo_jax.rl import config as rl_config, step as step_lib
 from margrpo_jax.sampling import sampler as sampler_lib
 
 GIB = 2.0 ** 30

@@ -76,17 +76,18 @@ def smallest_device(gib: float) -> str:
 def table(records: list[dict]) -> str:
   """The markdown table: GiB per device, each measure's column the RL step with that one setting changed."""
   head = ["model", "parameters", "images / step", "rollout", "RL step", *MEASURES, "smallest device, full FT"]
-  rows = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 3) + "---|"]
+  rows = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 2) + "---|"]
+  gib = lambda x: f"{x:.0f}" if x >= 100 else f"{x:.2f}"
   for name in MODELS:
     r = next((r for r in records if r["model"] == name), None)
     if r is None:
       continue
-    cells = [f"{r['peaks']['rl_step_' + v[len('rl.'):].replace('+rl.', '+')]:.2f}" if k in r["measures"] else "(one already)"
-             for k, v in MEASURES.items()]
+    cells = [gib(r["peaks"]["rl_step_" + v[len("rl."):].replace("+rl.", "+")]) if k in r["measures"]
+             else "(one already)" for k, v in MEASURES.items()]
     exact = [float(c) for k, c in zip(MEASURES, cells) if k == "one image / device" and c[0].isdigit()]
     full = min([r["peaks"]["rl_step"]] + exact)  # the same update: the configured step or one image at a time
     rows.append(f"| {name} (`{r['config']}`) | {r['params'] / 1e6:,.0f} M | {r['images']} | "
-                f"{r['peaks']['rollout']:.2f} | **{r['peaks']['rl_step']:.2f}** | " + " | ".join(cells)
+                f"{gib(r['peaks']['rollout'])} | **{gib(r['peaks']['rl_step'])}** | " + " | ".join(cells)
                 + f" | {smallest_device(full)} |")
   return "\n".join(rows)
 

@@ -36,8 +36,9 @@ HARMLESS = [
      "'' is the default (the shipped base, the built-in prompts, the builder's option)"),
     (r"rewards\.\w+\.(checkpoint|vocab|head|variant|prefix)", ANY,
      "read only when that learned reward is used (then checked: check_learned_rewards)"),
-    (r"variant|prompts|model\.(size|variant|text_encoder\.family|diffusion\.sampling_steps)", ANY,
-     "a label or a setting of another mode: never read by this config's job"),
+    (r"variant|prompts|plan\.variants|model\.(size|variant|text_encoder\.family|diffusion\.sampling_steps)", ANY,
+     "a label or a setting of another mode: never read by this config's job (plan.variants: plan mode's, checked "
+     "there before any compile)"),
     (r"rl\.lora\.targets", ANY, "read only with rl.lora.rank > 0 (then every regex must match a trained kernel)"),
     (r"optim\.(lr|eps|grad_clip|weight_decay)|beta|rl\.(beta|clip_eps|adv_clip|pretrain_mix|diversity_bonus"
      r"|lora\.alpha)"

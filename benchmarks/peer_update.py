@@ -2,7 +2,8 @@
 computes it, on the same weights and the same recorded batch, in one run on the same machine.
 
     python benchmarks/peer_update.py [--size=base] [--batch=4] [--ar_steps=2] [--diffusion_steps=2]
-        [--mte_seeds=2] [--sampling_steps=8] [--respacing=25] [--remat=1] [--repeats=2] [--threads=0]
+        [--mte_seeds=2] [--sampling_steps=8] [--respacing=25] [--remat=1] [--encoder_buckets=4] [--repeats=2]
+        [--threads=0]
 
 Both compute the official loss (``rl.fidelity=official``'s switches, docs/algorithm.md): for each scored AR step
 ``i`` the backbone's latents recomputed with gradients from the recorded canvas; each recorded transition
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -39,6 +41,7 @@ from margrpo_jax.convert import mar as mar_convert  # noqa: E402
 from margrpo_jax.jobs import rl as rl_job  # noqa: E402
 from margrpo_jax.models import class_mar  # noqa: E402
 from margrpo_jax.rl import config as rl_config, loss as loss_lib, step as step_lib  # noqa: E402
+from margrpo_jax.sampling import sampler as sampler_lib  # noqa: E402
 
 class_mar.SIZES.setdefault("small", (64, 2, 4, 2, 64))  # --size=small: a quick check of the agreement only
 TABLES = ("mean_coef_x", "mean_coef_eps", "log_betas", "posterior_log_variance_clipped", "sqrt_recip_alphas_cumprod",
@@ -113,6 +116,17 @@ def torch_loss(model: TorchMAR, diff, lc: loss_lib.LossConfig, b: dict) -> torch
   return -(policy - lc.beta * kl)
 
 
+def encoder_tokens(visible: np.ndarray, buffer: int, buckets: int) -> dict:
+  """Encoder token-passes (rows x tokens, summed over the scored AR steps) of one loss forward: the official
+  encoder's ``buffer + known`` per row; this project's ``buffer +`` the gathered size (``sampler.known_sizes``) or
+  ``buffer + L`` without buckets. ``visible``: the batch's (M, B, L)."""
+  m, b, seq_len = visible.shape
+  known = visible.sum(-1)
+  sizes = np.asarray(sampler_lib.known_sizes(seq_len, buckets) if buckets else (seq_len,))
+  padded = sizes[np.searchsorted(sizes, known.max(-1))]  # (M,) each step's size
+  return dict(jax=int(b * (buffer * m + padded.sum())), official=int(buffer * m * b + known.sum()))
+
+
 def decay_split(model: TorchMAR):
   """AdamW's groups as ``optim.py`` masks them: decay on the backbone's matrices, not on biases, norms or the
   learned position embeddings; the head is frozen."""
@@ -180,6 +194,9 @@ def main():
   ap.add_argument("--respacing", default="25", help="diffusion steps of the rollout")
   ap.add_argument("--remat", type=int, default=1, help="JAX: recompute each AR step's forward in the backward "
                   "pass (1, the real-size configs' setting) or keep its activations (0)")
+  ap.add_argument("--encoder_buckets", default=str(loss_lib.LossConfig.encoder_buckets),
+                  help="JAX: MAR's encoder on the known tokens, padded to this many static sizes (0: all positions); "
+                       "comma-separated to time several (the last is checked against PyTorch and reported)")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   a = ap.parse_args()
@@ -194,7 +211,9 @@ def main():
   c.parallel.mesh.update(data=1, fsdp=1, tensor=1)
   rl_config.resolve_fidelity(c)
   s = rl_job.setup(c, (model_cfg, graphdef, params))
-  sc = s.static
+  buckets = [int(x) for x in a.encoder_buckets.split(",")]
+  with_buckets = lambda n: dataclasses.replace(s.static, loss=dataclasses.replace(s.static.loss, encoder_buckets=n))
+  sc = s.static = with_buckets(buckets[-1])
   check_official(sc.loss, sc.batch)
   labels = jnp.asarray(np.arange(a.batch, dtype=np.int32) * 97 % model_cfg.num_classes)
   final, rec = s.rollout_fn(s.model_params(s.policy), labels, jax.random.key(0))
@@ -212,19 +231,22 @@ def main():
         f"{sc.batch.topk_fraction:.0%}, JAX remat {sc.loss.remat}")
   agree(ref, s, sd, batch, tb, a.size)
 
-  update = jax.jit(functools.partial(step_lib.update, s.graphdef, s.tx, s.diff, sc), donate_argnums=0)
   fresh = lambda: jax.tree.map(jnp.copy, s.init_state())
-  t0 = time.perf_counter()
-  jax.block_until_ready(update(fresh(), s.frozen, batch))
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(a.repeats):
-    state = fresh()
-    jax.block_until_ready(state)
+  jax_rows = []
+  for n in buckets:  # (buckets, s / update, compile s, encoder token-passes)
+    update = jax.jit(functools.partial(step_lib.update, s.graphdef, s.tx, s.diff, with_buckets(n)), donate_argnums=0)
     t0 = time.perf_counter()
-    jax.block_until_ready(update(state, s.frozen, batch))
-    times.append(time.perf_counter() - t0)
-  jax_s = float(np.median(times))
+    jax.block_until_ready(update(fresh(), s.frozen, batch))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(a.repeats):
+      state = fresh()
+      jax.block_until_ready(state)
+      t0 = time.perf_counter()
+      jax.block_until_ready(update(state, s.frozen, batch))
+      times.append(time.perf_counter() - t0)
+    jax_s = float(np.median(times))
+    jax_rows.append((n, jax_s, first - jax_s, encoder_tokens(np.asarray(batch.visible), model_cfg.buffer_size, n)))
 
   oc = c.optim
   opt = torch.optim.AdamW([dict(params=decay, weight_decay=oc.weight_decay), dict(params=no_decay, weight_decay=0.0)],
@@ -246,12 +268,16 @@ def main():
   torch_s = float(np.median(times))
   print("conditions:", json.dumps(conditions()))
   print(f"{a.repeats} timed updates each (median), torch threads {torch.get_num_threads()}")
-  print(f"| RL update (loss, backward, clip, AdamW) | s / update | compile s |\n|---|---|---|\n"
-        f"| margrpo_jax (jit, lax.scan over AR steps) | {jax_s:.2f} | {first - jax_s:.1f} |\n"
-        f"| PyTorch, official structure | {torch_s:.2f} | - |")
+  print("| RL update (loss, backward, clip, AdamW) | s / update | compile s | encoder token-passes |\n|---|---|---|---|")
+  for n, t, comp, enc in jax_rows:
+    name = f"{n} known-token sizes" if n else "encoder on all positions"
+    print(f"| margrpo_jax, {name} | {t:.2f} | {comp:.1f} | {enc['jax']} |")
+  n, jax_s, comp, enc = jax_rows[-1]
+  print(f"| PyTorch, official structure | {torch_s:.2f} | - | {enc['official']} |")
   print(f"speed-up: {torch_s / jax_s:.2f}x")
   print(json.dumps(dict(speedup_vs_torch=round(torch_s / jax_s, 3), jax_s=round(jax_s, 3), torch_s=round(torch_s, 3),
-                        compile_s=round(first - jax_s, 1), size=a.size, batch=a.batch, **conditions())))
+                        compile_s=round(comp, 1), size=a.size, batch=a.batch, encoder_buckets=n,
+                        encoder_tokens=enc, **conditions())))
 
 
 if __name__ == "__main__":

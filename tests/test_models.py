@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from margrpo_jax.models import text
+from margrpo_jax.sampling import sampler as S
 
 
 def _mar_reference(bb, tokens, mask, cond):
@@ -61,6 +62,27 @@ def test_encoder_on_the_known_tokens_equals_the_key_masked_one(small_model):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   exact = bb.decode(*bb.encode_known(tokens, order[:, :n_known], n_known, cond))  # no padding
   np.testing.assert_allclose(exact, want, rtol=2e-5, atol=2e-5)
+
+
+def test_bucketed_encoder_equals_the_key_masked_one_for_a_traced_mask(small_model):
+  """``sampler.latents`` (the RL update's encoder on the known tokens only, padded to one of a few static sizes and
+  chosen by ``lax.switch`` under jit) gives the latents of the key-masked pass, for every known count from 0 to L,
+  rows of a batch with different counts included."""
+  model_cfg, graphdef, params = small_model
+  bb = nnx.merge(graphdef, params).backbone
+  b, seq_len = 3, model_cfg.seq_len
+  assert S.known_sizes(seq_len, 4) == tuple(-(-seq_len * i // 4) for i in (1, 2, 3, 4))
+  tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
+  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
+                                                                             "x"], 12)))
+  full = jax.jit(lambda m: bb(tokens, m, cond))
+  gathered = jax.jit(lambda m: S.latents(bb, tokens, m, cond, buckets=4))
+  for n in (0, 1, seq_len // 4, seq_len // 4 + 1, seq_len - 1, seq_len):
+    counts = jnp.array([n, max(n - 3, 0), n // 2])  # the fullest row picks the size
+    order = jnp.stack([jax.random.permutation(jax.random.key(10 * n + i), seq_len) for i in range(b)])
+    mask = jnp.arange(seq_len)[None] >= counts[:, None]  # known: the first counts[r] of each row's order
+    mask = jnp.zeros((b, seq_len), bool).at[jnp.arange(b)[:, None], order].set(mask)
+    np.testing.assert_allclose(gathered(mask), full(mask), rtol=2e-5, atol=2e-5, err_msg=f"{n} known")
 
 
 def test_text_conditioning_and_null(small_model):

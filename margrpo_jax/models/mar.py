@@ -1,9 +1,11 @@
 """The MAR backbone: an MAE-style bidirectional encoder over [buffer + visible tokens] and a decoder over
 all positions, producing one latent ``z`` per image token for the diffusion head (docs/models.md section 1.2).
 
-Dropping masked tokens (MAR's encoder) is implemented with a key mask over all positions: the outputs at
-visible and buffer positions are identical to running the encoder on the gathered visible set, and shapes
-stay static inside ``lax`` loops. The conditioning arrives as ``buffer_size`` ready-made buffer tokens
+Dropping masked tokens (MAR's encoder) is implemented with a key mask over all positions (:meth:`encode`: the
+outputs at visible and buffer positions are identical to running the encoder on the gathered visible set, shapes
+static inside ``lax`` loops), or, at the official code's cost, on the gathered known tokens padded to a static
+count (:meth:`encode_known`: the sampler's steps, and ``sampling.sampler.latents`` for the RL update's recorded
+canvases). The conditioning arrives as ``buffer_size`` ready-made buffer tokens
 (class embedding broadcast for MAR, text-encoder output for the text-to-image models).
 """
 from __future__ import annotations
@@ -85,7 +87,7 @@ class MARBackbone(nnx.Module):
   def encode_known(self, tokens: jax.Array, known: jax.Array, n_known, cond: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
     """MAR's encoder as the official code runs it, on the buffer and the known tokens only: ``known`` (B, K) are
-    positions of which the first ``n_known`` (a traced int) are known, the rest key-masked padding. Returns
+    positions of which the first ``n_known`` (a traced int, or (B, 1) per row) are known, the rest key-masked padding. Returns
     ``(x, visible)`` over all ``buffer + L`` positions (zeros and False where not known), for :meth:`decode`;
     equal to :meth:`encode` with the mask that ``known`` [: n_known] leaves, at a cost of ``buffer + K`` tokens."""
     b, k = known.shape

@@ -136,6 +136,7 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
   seq_len = rec.mask.shape[-1]
   guided = bool(scfg.guidance) if scfg.guidance is not None else True
   cond, null = model.condition(ids), model.null_condition(b)
+  buckets = lcfg.encoder_buckets  # every backbone pass here on a recorded (traced) mask: MAR's encoder gathered
   steps = jnp.sort(jax.random.choice(rng.stream(key, "ar_steps"), n_steps, (bcfg.num_ar_steps,), replace=False))
   # With group-shared noise the scored steps are the ones whose noise varied (rl/config.py sets the sampler's
   # vary_steps = num_ar_steps).
@@ -170,9 +171,9 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
       return gaussian.q_sample(diff, x0[None], jb, eps), jnp.asarray(diff.timesteps, jnp.int32)[jb]
 
     def latents(m):
-      at = lambda z: jnp.take_along_axis(z, pos[..., None], axis=1)
-      zu = at(m.backbone(canvas, ~visible, m.null_condition(b))) if lcfg.cfg_in_loss else None
-      return at(m.backbone(canvas, ~visible, m.condition(ids))), zu
+      at = lambda z: None if z is None else jnp.take_along_axis(z, pos[..., None], axis=1)
+      return tuple(at(z) for z in sampler_lib.ar_latents(m, canvas, ~visible, m.condition(ids), m.null_condition(b),
+                                                         lcfg.cfg_in_loss, buckets=buckets))
 
     def eps_hat(m, zc, zu, x_t, t):
       bk = lambda z: None if z is None else jnp.broadcast_to(z, j.shape + z.shape)
@@ -196,7 +197,7 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
              else n_shared)  # the scored diffusion steps: drawn per AR step (official NOVA) or shared
     canvas, unknown = rec.canvas[i], rec.mask[i]
     decoded = _decoded_mask(rec, i, seq_len)
-    z_c, z_u = sampler_lib.ar_latents(model, canvas, unknown, cond, null, guided)
+    z_c, z_u = sampler_lib.ar_latents(model, canvas, unknown, cond, null, guided, buckets=buckets)
     chain = lambda name: _chain(model, diff, scfg, z_c, z_u, rec.cfg[i], rng.stream(k_i, name))
     # The scored positions P: the K tokens decoded at the step ('decoded': their recorded chains, nothing else is
     # drawn) or all L positions (the rollout's chains at the decoded ones, tentative chains elsewhere).
@@ -220,7 +221,7 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
     if bcfg.consistency and not only_decoded:  # tentative prediction at i vs one AR step earlier (decoded tokens
                                                # are always kept: a no-op when only they are scored)
       ip = jnp.maximum(i - 1, 0)
-      zp_c, zp_u = sampler_lib.ar_latents(model, rec.canvas[ip], rec.mask[ip], cond, null, guided)
+      zp_c, zp_u = sampler_lib.ar_latents(model, rec.canvas[ip], rec.mask[ip], cond, null, guided, buckets=buckets)
       prev_xs, _ = _chain(model, diff, scfg, zp_c, zp_u, rec.cfg[ip], rng.stream(k_i, "previous"))
       prev_final = jnp.where(rec.mask[ip][..., None], prev_xs[-1], rec.canvas[ip])
       pred = jnp.where(unknown[..., None], chain("select")[0][-1] if independent else xs[-1], canvas)
@@ -285,10 +286,10 @@ def build(model, ref_model, diff, scfg: sampler_lib.SamplerConfig, bcfg: BatchCo
     # Reference transitions at the chosen diffusion steps (not computed without a KL term: beta = 0).
     x_t, x_prev = xs[n_sel], xs[n_sel + 1]
     if lcfg.beta:
-      ref_cond = ref_model.condition(ids)
       gz = lambda z: None if z is None else jnp.take_along_axis(z, pos[..., None], axis=1)
-      rz_c = gz(ref_model.backbone(canvas, ~visible, ref_cond))
-      rz_u = gz(ref_model.backbone(canvas, ~visible, ref_model.null_condition(b))) if lcfg.cfg_in_loss else None
+      rz_c, rz_u = (gz(z) for z in sampler_lib.ar_latents(ref_model, canvas, ~visible, ref_model.condition(ids),
+                                                          ref_model.null_condition(b), lcfg.cfg_in_loss,
+                                                          buckets=buckets))
       nn = jnp.broadcast_to(n_sel[:, None, None], x_t.shape[:-1])
       # one diffusion step at a time: the head's temporaries of one step (B P rows), not of all k at once
       _, ref_mean, ref_std = jax.lax.map(lambda a: sampler_lib.transition_logp(

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from margrpo_jax.diffusion import flow, gaussian
 from margrpo_jax.models import layers
 from margrpo_jax.parallel import sharding
-from margrpo_jax.sampling.sampler import head_output, transition_logp
+from margrpo_jax.sampling.sampler import ENCODER_BUCKETS, ar_latents, head_output, transition_logp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,8 @@ class LossConfig:
   logp: str = "chain"               # 'chain': recorded transitions | 'elbo': denoising terms of the final tokens
                                     # (and q-MTE: forward-process draws of the uncertain ones)
   logp_bf16: bool = False           # round the per-token log-probs through bfloat16 (official NOVA's cast)
+  encoder_buckets: int = ENCODER_BUCKETS  # MAR's encoder on the known tokens only, padded to this many static
+                                    # sizes (sampler.latents; 0: the key-masked encoder over all positions)
 
 
 # The choices of LossConfig's option strings; validation reads them from here.
@@ -148,8 +150,8 @@ def step_terms(model, diff, cfg: LossConfig, batch: TrainBatch, i, cond, null):
   canvas, visible, region, keep = (a[i] for a in (batch.canvas, batch.visible, batch.region, batch.keep))
   k = batch.j.shape[1]
   at_p = lambda z: jnp.take_along_axis(z, batch.positions[i][..., None], axis=1)  # (B, L, D) -> (B, P, D)
-  z_c = at_p(model.backbone(canvas, ~visible, cond))
-  z_u = at_p(model.backbone(canvas, ~visible, null)) if cfg.cfg_in_loss else None
+  z_c, z_u = (None if z is None else at_p(z) for z in
+              ar_latents(model, canvas, ~visible, cond, null, cfg.cfg_in_loss, buckets=cfg.encoder_buckets))
   scale = batch.cfg[i] if cfg.cfg_in_loss else None
   reduce = (lambda e: e.sum(-1)) if cfg.channel_reduction == "sum" else (lambda e: e.mean(-1))
 

@@ -125,16 +125,41 @@ def mask_schedule(kind: str, seq_len: int, num_steps: int) -> schedule_lib.MaskS
   return MASK_SCHEDULES[kind](seq_len, num_steps)
 
 
-def ar_latents(model, canvas, mask, cond, null, guided: bool, known=None):
+ENCODER_BUCKETS = 4  # static sizes of the gathered known set where the mask is traced (:func:`latents`)
+
+
+def known_sizes(seq_len: int, buckets: int) -> tuple[int, ...]:
+  """The static sizes of :func:`latents`' gathered known set: ``ceil(L (b + 1) / buckets)``, ``b < buckets``."""
+  return tuple(sorted({-(-seq_len * (i + 1) // buckets) for i in range(buckets)}))
+
+
+def latents(bb, tokens, mask, cond, buckets: int = 0) -> jax.Array:
+  """``bb(tokens, mask, cond)`` (B, L, D) for a mask known only when traced (the RL update's recorded canvases).
+  With ``buckets > 0`` and a backbone with ``encode_known`` (MAR's) the encoder runs, as the official code's, on
+  the buffer and the known tokens only: gathered in position order and padded (key-masked) to the smallest of
+  :func:`known_sizes` that holds the fullest row's count ``n``, one ``lax.switch`` branch per size. Work:
+  ``buffer + n + L / buckets`` encoder tokens at most, against ``buffer + L``; the same latents to float rounding."""
+  if not buckets or not hasattr(bb, "encode_known"):
+    return bb(tokens, mask, cond)
+  unknown = mask.astype(jnp.int32)
+  n = bb.seq_len - unknown.sum(-1)
+  order = jnp.argsort(unknown, axis=-1, stable=True).astype(jnp.int32)  # the known positions first
+  sizes = known_sizes(bb.seq_len, buckets)
+  run = lambda k: lambda: bb.decode(*bb.encode_known(tokens, order[:, :k], n[:, None], cond))
+  return jax.lax.switch(jnp.searchsorted(jnp.asarray(sizes), n.max()), [run(k) for k in sizes])
+
+
+def ar_latents(model, canvas, mask, cond, null, guided: bool, known=None, buckets: int = 0):
   """Backbone latents ``(z_cond, z_uncond or None)`` for one AR step. With ``known = (positions (B, K), n)`` (a
-  backbone with ``encode_known``) the encoder runs on the buffer and those positions only (``mask`` unused)."""
+  backbone with ``encode_known``) the encoder runs on the buffer and those positions only (``mask`` unused); else
+  on the known tokens gathered into ``buckets`` static sizes (:func:`latents`; 0: the key-masked full encoder)."""
   two = lambda a: jnp.concatenate([a, a]) if guided else a
   c = jnp.concatenate([cond, null]) if guided else cond
   bb = model.backbone
   if known is not None:
     z = bb.decode(*bb.encode_known(two(canvas), two(known[0]), known[1], c))
   else:
-    z = bb(two(canvas), two(mask), c)
+    z = latents(bb, two(canvas), two(mask), c, buckets)
   return tuple(jnp.split(z, 2)) if guided else (z, None)
 
 

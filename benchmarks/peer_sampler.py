@@ -3,7 +3,8 @@ run on the same machine, on the same weights.
 
     python benchmarks/peer_sampler.py [--size=base] [--batch=2] [--num_steps=8] [--diffusion_steps=25]
                                       [--cfg=2.9] [--temperature=1.0] [--repeats=2] [--threads=0]
-                                      [--segments=1,4,8]
+                                      [--segments=1,4,8] [--depth=0]
+    python benchmarks/peer_sampler.py --growth [--growth_tokens=16,64,256] [--growth_steps=8,32,64] [...]
 
 The PyTorch side (:class:`TorchMAR`, official key names) follows LTH14/mar's ``sample_tokens``: per AR step the
 MAE encoder on the buffer and the visible tokens, the decoder with mask tokens, the cosine mask schedule over a
@@ -13,7 +14,8 @@ are converted with ``convert/mar.py`` into the JAX model, and the two encoder / 
 agree before anything is timed. Prints images/s for both (steady state, after a warm-up call), the JAX compile
 time separately (this sampler at each ``--segments``: its AR steps in that many scans of their own shapes), the
 work of each (encoder and decoder token-passes, head rows x diffusion steps) and, as JSON on the last line, the
-ratio for the last ``--segments``.
+ratio for the last ``--segments``. ``--growth``: how the cost grows, both samplers' s / batch (and this one's compile
+time) over a grid of image-token counts (MARs of that ``seq_len``, same widths) and AR steps, in one run.
 """
 from __future__ import annotations
 
@@ -93,12 +95,22 @@ class Head(nn.Module):
     return self.final_layer.linear(self.final_layer.norm_final(x) * (1 + scale) + shift)
 
 
-class TorchMAR(nn.Module):
-  """MAR at ``class_mar.SIZES[size]`` with the official parameter names."""
+def model_config(size: str, seq_len: int = 256, depth: int = 0):
+  """MAR at ``class_mar.SIZES[size]`` with ``seq_len`` image tokens and, if ``depth``, that many encoder and decoder
+  blocks (the cost-growth grid's smaller models)."""
+  cfg = class_mar.mar_config(size)
+  cfg.seq_len = seq_len
+  if depth:
+    cfg.backbone.encoder_depth = cfg.backbone.decoder_depth = depth
+  return cfg
 
-  def __init__(self, size: str):
+
+class TorchMAR(nn.Module):
+  """MAR at ``model_config(...)`` with the official parameter names."""
+
+  def __init__(self, size: str, seq_len: int = 256, depth: int = 0):
     super().__init__()
-    cfg = class_mar.mar_config(size)
+    cfg = model_config(size, seq_len, depth)
     d, depth, heads = cfg.backbone.width, cfg.backbone.encoder_depth, cfg.backbone.num_heads
     self.seq, self.buf, self.c = cfg.seq_len, cfg.buffer_size, cfg.token_dim
     n = self.seq + self.buf
@@ -189,15 +201,15 @@ def conditions() -> dict:
               jax=jax.__version__, torch=torch.__version__)
 
 
-def paired_models(size: str, threads: int = 0):
+def paired_models(size: str, threads: int = 0, seq_len: int = 256, depth: int = 0):
   """``(torch model, its state dict as numpy, model_cfg, graphdef, params)``: a random-weight :class:`TorchMAR`
   (seed 0) and the same weights converted into this project's model by ``convert/mar.py``."""
   if threads:
     torch.set_num_threads(threads)
   torch.manual_seed(0)
-  ref = TorchMAR(size)
+  ref = TorchMAR(size, seq_len, depth)
   sd = {k: v.detach().numpy().copy() for k, v in ref.state_dict().items()}
-  model_cfg, params, _ = mar_convert.convert(sd, "torch MAR", size=size)
+  model_cfg, params, _ = mar_convert.convert(sd, "torch MAR", model_cfg=model_config(size, seq_len, depth))
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: families.build(model_cfg)))
   return ref, sd, model_cfg, graphdef, jax.tree.map(jnp.asarray, params)
 
@@ -234,9 +246,63 @@ def work(model, diff, sched, batch: int, segments) -> dict:
   return out
 
 
+def time_jax(graphdef, params, diff, labels, repeats: int, **sampler) -> tuple[float, float]:
+  """``(s / batch, compile s)`` of this project's jitted sampler (``sampler``: SamplerConfig fields): the median of
+  ``repeats`` calls on fresh keys after a first, compiling one."""
+  fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_lib.SamplerConfig(cfg_schedule="linear", **sampler))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(0)))
+  first = time.perf_counter() - t0
+  times = []
+  for r in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(r + 1)))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)), first - float(np.median(times))
+
+
+def time_torch(ref: TorchMAR, labels, num_steps: int, diff, cfg: float, temperature: float, repeats: int) -> float:
+  """s / batch of the official structure: the median of ``repeats`` calls after a one-step warm-up."""
+  y = torch.from_numpy(labels).long()
+  ref.sample_tokens(y, 1, diff, cfg, temperature)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    ref.sample_tokens(y, num_steps, diff, cfg, temperature)
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def growth(a, diff, labels) -> None:
+  """The cost-growth grid: for each image-token count (a MAR of that ``seq_len``, same widths) and each number of
+  AR steps (at most one token per step), both samplers' s / batch and this one's compile time, in one run."""
+  print(f"cost growth: MAR-{a.size}{f' ({a.depth} + {a.depth} blocks)' if a.depth else ''}, batch {a.batch}, "
+        f"{diff.num_steps} diffusion steps, CFG {a.cfg}, {a.segments.split(',')[-1]} segments, {a.repeats} timed "
+        f"runs each (median)")
+  print("| image tokens | AR steps | margrpo_jax s / batch | compile s | PyTorch s / batch | speedup |\n"
+        "|---|---|---|---|---|---|")
+  cells = []
+  for seq_len in [int(x) for x in a.growth_tokens.split(",")]:
+    ref, _, _, graphdef, params = paired_models(a.size, a.threads, seq_len, a.depth)
+    ref.eval()
+    assert _agree(ref, graphdef, params) < 1e-3, "the converted model disagrees with the PyTorch one"
+    for n in [int(x) for x in a.growth_steps.split(",")]:
+      if n > seq_len:
+        print(f"| {seq_len} | {n} | - | - | - | - |")
+        continue
+      jax_s, comp = time_jax(graphdef, params, diff, labels, a.repeats, num_steps=n, cfg_scale=a.cfg,
+                             temperature=a.temperature, segments=int(a.segments.split(",")[-1]))
+      torch_s = time_torch(ref, labels, n, diff, a.cfg, a.temperature, a.repeats)
+      cells.append(dict(tokens=seq_len, ar_steps=n, jax_s=round(jax_s, 3), compile_s=round(comp, 1),
+                        torch_s=round(torch_s, 3), speedup=round(torch_s / jax_s, 3)))
+      print(f"| {seq_len} | {n} | {jax_s:.2f} | {comp:.1f} | {torch_s:.2f} | {torch_s / jax_s:.2f}x |", flush=True)
+  print(json.dumps(dict(growth=cells, **conditions())))
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--size", default="base", choices=sorted(class_mar.SIZES))
+  ap.add_argument("--depth", type=int, default=0, help="encoder and decoder blocks each (0: the size's)")
   ap.add_argument("--batch", type=int, default=2)
   ap.add_argument("--num_steps", type=int, default=8)
   ap.add_argument("--diffusion_steps", default="25")
@@ -246,38 +312,28 @@ def main():
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   ap.add_argument("--segments", default="1,4,8", help="this sampler's SamplerConfig.segments to time, comma-separated "
                   "(the last one is the ratio's)")
+  ap.add_argument("--growth", action="store_true", help="the cost-growth grid instead (--growth_tokens x "
+                  "--growth_steps, the last --segments)")
+  ap.add_argument("--growth_tokens", default="16,64,256")
+  ap.add_argument("--growth_steps", default="8,32,64")
   a = ap.parse_args()
-  ref, sd, _, graphdef, params = paired_models(a.size, a.threads)
+  diff = gaussian.make_diffusion(1000, a.diffusion_steps)
+  labels = np.arange(a.batch, dtype=np.int32) % 1000
+  if a.growth:
+    return growth(a, diff, labels)
+  ref, sd, _, graphdef, params = paired_models(a.size, a.threads, depth=a.depth)
   ref.eval()
   err = _agree(ref, graphdef, params)
   n_params = sum(v.size for v in sd.values())
   print(f"MAR-{a.size}: {n_params / 1e6:.1f}M parameters; encoder/decoder z agree to {err:.1e} (max |diff|)")
-  diff = gaussian.make_diffusion(1000, a.diffusion_steps)
-  labels = np.arange(a.batch, dtype=np.int32) % 1000
   sched = sampler_lib.mask_schedule("cosine", ref.seq, a.num_steps)
   model = nnx.merge(graphdef, params)
   rows = []  # (segments, images/s, s / batch, compile s, work)
   for segments in [int(x) for x in a.segments.split(",")]:
-    fn = sampler_lib.make_sample_fn(graphdef, diff, sampler_lib.SamplerConfig(
-        num_steps=a.num_steps, cfg_scale=a.cfg, cfg_schedule="linear", temperature=a.temperature, segments=segments))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(0)))
-    first = time.perf_counter() - t0
-    times = []
-    for r in range(a.repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(params, jnp.asarray(labels), jax.random.key(r + 1)))
-      times.append(time.perf_counter() - t0)
-    jax_s = float(np.median(times))
-    rows.append((segments, a.batch / jax_s, jax_s, first - jax_s, work(model, diff, sched, a.batch, segments)))
-
-  ref.sample_tokens(torch.from_numpy(labels).long(), 1, diff, a.cfg, a.temperature)  # warm-up
-  times = []
-  for r in range(a.repeats):
-    t0 = time.perf_counter()
-    ref.sample_tokens(torch.from_numpy(labels).long(), a.num_steps, diff, a.cfg, a.temperature)
-    times.append(time.perf_counter() - t0)
-  torch_s = float(np.median(times))
+    jax_s, comp = time_jax(graphdef, params, diff, labels, a.repeats, num_steps=a.num_steps, cfg_scale=a.cfg,
+                           temperature=a.temperature, segments=segments)
+    rows.append((segments, a.batch / jax_s, jax_s, comp, work(model, diff, sched, a.batch, segments)))
+  torch_s = time_torch(ref, labels, a.num_steps, diff, a.cfg, a.temperature, a.repeats)
   official = work(model, diff, sched, a.batch, None)
   print("conditions:", json.dumps(conditions()))
   print(f"batch {a.batch}, {a.num_steps} AR steps, {diff.num_steps} diffusion steps, CFG {a.cfg}, temperature "

@@ -55,7 +55,7 @@ def test_encoder_on_the_known_tokens_equals_the_key_masked_one(small_model):
   tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
   order = jnp.stack([jax.random.permutation(jax.random.key(i), seq_len) for i in range(b)])
   mask = jnp.ones((b, seq_len), bool).at[jnp.arange(b)[:, None], order[:, :n_known]].set(False)
-  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
+  cond = model.text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
                                                                              "x"], 12)))
   want = bb(tokens, mask, cond)
   got = bb.decode(*bb.encode_known(tokens, order[:, :k], n_known, cond))  # 11 padded positions
@@ -69,14 +69,14 @@ def test_bucketed_encoder_equals_the_key_masked_one_for_a_traced_mask(small_mode
   chosen by ``lax.switch`` under jit) gives the latents of the key-masked pass, for every known count from 0 to L,
   rows of a batch with different counts included."""
   model_cfg, graphdef, params = small_model
-  bb = nnx.merge(graphdef, params).backbone
+  model = nnx.merge(graphdef, params)
   b, seq_len = 3, model_cfg.seq_len
   assert S.known_sizes(seq_len, 4) == tuple(-(-seq_len * i // 4) for i in (1, 2, 3, 4))
   tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
-  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
+  cond = model.text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
                                                                              "x"], 12)))
-  full = jax.jit(lambda m: bb(tokens, m, cond))
-  gathered = jax.jit(lambda m: S.latents(bb, tokens, m, cond, buckets=4))
+  full = jax.jit(lambda m: model.backbone(tokens, m, cond))
+  gathered = jax.jit(lambda m: S.latents(model, tokens, m, cond, buckets=4))
   for n in (0, 1, seq_len // 4, seq_len // 4 + 1, seq_len - 1, seq_len):
     counts = jnp.array([n, max(n - 3, 0), n // 2])  # the fullest row picks the size
     order = jnp.stack([jax.random.permutation(jax.random.key(10 * n + i), seq_len) for i in range(b)])

@@ -64,6 +64,7 @@ def test_rl_updates_backbone_only_and_writes_the_report(local_run, base):
     assert (tmp_path / "w" / name).exists()
   history = [json.loads(l) for l in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert len(history) == config.num_iters and all(h["grad_norm"] > 0 for h in history)
+  assert all(h["rollout_images_per_s"] > 0 and h["update_images_per_s"] > 0 for h in history)
   assert abs(history[0]["logp_diff"]) < 1e-3  # first update: recomputed log-probs equal the rollout's
 
 

@@ -246,7 +246,9 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   ``rl.shuffle_advantages``, the no-signal control), one jitted update. Returns ``(state, metrics, rollout)``;
   metrics are None (and only the step counter moves) when a reward is non-finite."""
   g = config.rl.group_size
+  t0 = time.perf_counter()
   drawn = rollout(config, s, s.ref if config.rl.rollout_policy == "base" else state["policy"], train_recs, it)
+  t_rollout = time.perf_counter() - t0  # sampling, decoding and rewards: the rewards are read on the host
   if not np.all(np.isfinite(drawn["reward"])):
     return dict(state, step=state["step"] + 1), None, drawn
   ro = informative(config, s, drawn)
@@ -260,8 +262,11 @@ def iteration(config, s: Setup, state: dict, train_recs: list[dict], it: int):
   if config.rl.pretrain_mix:
     ids, adv, tokens = with_pretraining_images(config, s, train_recs, it, ids, adv, tokens)
   adv = sharding.to_global(adv[sharding.host_rows(len(adv))], sharding.batch_sharding(s.mesh, 1))
+  t0 = time.perf_counter()
   state, m = s.step_fn(state, s.frozen, s.ref, ids, adv, ro["rec"], tokens, rng.stream(ro["key"], "train"))
   m = {k: float(v) for k, v in jax.device_get(m).items()}
+  m.update(rollout_images_per_s=len(drawn["reward"]) / t_rollout,
+           update_images_per_s=len(adv) / (time.perf_counter() - t0))
   if verifiable(s.model_cfg, drawn["recs"]):  # the policy's own pass rate: over every image drawn
     strict = drawn["parts"].get("shapes_strict", registry.REWARDS["shapes_strict"](
         drawn["images"], [m["shapes"] for m in drawn["recs"]]))

@@ -133,13 +133,14 @@ def known_sizes(seq_len: int, buckets: int) -> tuple[int, ...]:
   return tuple(sorted({-(-seq_len * (i + 1) // buckets) for i in range(buckets)}))
 
 
-def latents(bb, tokens, mask, cond, buckets: int = 0) -> jax.Array:
-  """``bb(tokens, mask, cond)`` (B, L, D) for a mask known only when traced (the RL update's recorded canvases).
-  With ``buckets > 0`` and a backbone with ``encode_known`` (MAR's) the encoder runs, as the official code's, on
+def latents(model, tokens, mask, cond, buckets: int = 0) -> jax.Array:
+  """``model.backbone(tokens, mask, cond)`` (B, L, D) for a mask known only when traced (the RL update's recorded
+  canvases). With ``buckets > 0`` and a backbone that :func:`gathers_known` (MAR's) the encoder runs, as the official code's, on
   the buffer and the known tokens only: gathered in position order and padded (key-masked) to the smallest of
   :func:`known_sizes` that holds the fullest row's count ``n``, one ``lax.switch`` branch per size. Work:
   ``buffer + n + L / buckets`` encoder tokens at most, against ``buffer + L``; the same latents to float rounding."""
-  if not buckets or not hasattr(bb, "encode_known"):
+  bb = model.backbone
+  if not buckets or not gathers_known(model):
     return bb(tokens, mask, cond)
   unknown = mask.astype(jnp.int32)
   n = bb.seq_len - unknown.sum(-1)
@@ -159,7 +160,7 @@ def ar_latents(model, canvas, mask, cond, null, guided: bool, known=None, bucket
   if known is not None:
     z = bb.decode(*bb.encode_known(two(canvas), two(known[0]), known[1], c))
   else:
-    z = latents(bb, two(canvas), two(mask), c, buckets)
+    z = latents(model, two(canvas), two(mask), c, buckets)
   return tuple(jnp.split(z, 2)) if guided else (z, None)
 
 

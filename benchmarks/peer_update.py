@@ -3,7 +3,8 @@ computes it, on the same weights and the same recorded batch, in one run on the 
 
     python benchmarks/peer_update.py [--size=base] [--batch=4] [--ar_steps=2] [--diffusion_steps=2]
         [--mte_seeds=2] [--sampling_steps=8] [--respacing=25] [--remat=1] [--encoder_buckets=4] [--repeats=2]
-        [--threads=0]
+        [--threads=0] [--depth=0]
+    python benchmarks/peer_update.py --growth [--growth_tokens=16,64,256] [--growth_steps=8,32,64] [...]
 
 Both compute the official loss (``rl.fidelity=official``'s switches, docs/algorithm.md): for each scored AR step
 ``i`` the backbone's latents recomputed with gradients from the recorded canvas; each recorded transition
@@ -15,7 +16,8 @@ this project (``rl/step.py: build_batch``) and handed to both; the PyTorch side 
 ``rl/loss.py`` term by term on :class:`peer_sampler.TorchMAR` (official key names). Before anything is timed the
 two gradients, the torch one mapped through ``convert/mar.py``, must agree. Prints s / update for both (median
 of ``--repeats`` after a warm-up), the JAX compile time, and their ratio; the last line is that ratio as JSON
-(``speedup_vs_torch``).
+(``speedup_vs_torch``). ``--growth``: both updates' s / update over a grid of image-token counts (MARs of that
+``seq_len``) and the rollout's AR steps, in one run.
 """
 from __future__ import annotations
 
@@ -145,7 +147,7 @@ def flat(tree) -> np.ndarray:
   return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
-def agree(ref: TorchMAR, s, sd: dict, batch, tb: dict, size: str) -> None:
+def agree(ref: TorchMAR, s, sd: dict, batch, tb: dict, model_cfg) -> None:
   """The two gradients (torch's mapped into the JAX tree by the converter) agree, else nothing is timed.
 
   A random-weight head's eps_hat is unrelated to x_t, so its chains drift to values ~1e3 while the last steps'
@@ -166,7 +168,7 @@ def agree(ref: TorchMAR, s, sd: dict, batch, tb: dict, size: str) -> None:
     g = {k: (p.grad.double().numpy() if p.grad is not None else np.zeros(p.shape)) for k, p in
          model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    tree = mar_convert.convert({k: g.get(k, np.zeros(sd[k].shape)) for k in sd}, "torch grads", size=size)[1]
+    tree = mar_convert.convert({k: g.get(k, np.zeros(sd[k].shape)) for k in sd}, "torch grads", model_cfg=model_cfg)[1]
     return flat({k: tree[k] for k in s.policy})
 
   first = lambda x, axis: x[(slice(None),) * axis + (slice(0, 1),)]
@@ -183,31 +185,17 @@ def agree(ref: TorchMAR, s, sd: dict, batch, tb: dict, size: str) -> None:
     assert e_jax < 3 * e_torch + 1e-6, f"JAX's gradient ({name}) is further from float64 than PyTorch's float32 one"
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--size", default="base", choices=sorted(class_mar.SIZES))
-  ap.add_argument("--batch", type=int, default=4, help="images per update (prompts x group size)")
-  ap.add_argument("--ar_steps", type=int, default=2, help="scored AR steps M")
-  ap.add_argument("--diffusion_steps", type=int, default=2, help="scored diffusion steps k per AR step")
-  ap.add_argument("--mte_seeds", type=int, default=2, help="MTE trajectories S")
-  ap.add_argument("--sampling_steps", type=int, default=8, help="AR steps of the rollout")
-  ap.add_argument("--respacing", default="25", help="diffusion steps of the rollout")
-  ap.add_argument("--remat", type=int, default=1, help="JAX: recompute each AR step's forward in the backward "
-                  "pass (1, the real-size configs' setting) or keep its activations (0)")
-  ap.add_argument("--encoder_buckets", default=str(loss_lib.LossConfig.encoder_buckets),
-                  help="JAX: MAR's encoder on the known tokens, padded to this many static sizes (0: all positions); "
-                       "comma-separated to time several (the last is checked against PyTorch and reported)")
-  ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-  a = ap.parse_args()
-  ref, sd, model_cfg, graphdef, params = paired_models(a.size, a.threads)
-
+def measure(a, seq_len: int = 256, sampling_steps: int | None = None, check: bool = True):
+  """``(jax_rows, torch s / update)`` on a MAR of ``seq_len`` tokens whose rollout ran ``sampling_steps`` AR steps
+  (``--sampling_steps``): ``jax_rows`` one ``(buckets, s / update, compile s, encoder token-passes)`` per
+  ``--encoder_buckets``; with ``check`` the two gradients are compared first (:func:`agree`)."""
+  ref, sd, model_cfg, graphdef, params = paired_models(a.size, a.threads, seq_len, a.depth)
   c = config_files.load("mar", "base")  # the paper's RL settings (overridden below where the flags say)
   c.mode = "rl"
   c.rl.fidelity = "official"
   c.rl.update(group_size=2, prompts_per_iter=a.batch // 2, num_ar_steps=a.ar_steps,
               num_diffusion_steps=a.diffusion_steps, mte_seeds=a.mte_seeds, remat=bool(a.remat))
-  c.sampling.update(num_steps=a.sampling_steps, diffusion_steps=a.respacing)
+  c.sampling.update(num_steps=sampling_steps or a.sampling_steps, diffusion_steps=a.respacing)
   c.parallel.mesh.update(data=1, fsdp=1, tensor=1)
   rl_config.resolve_fidelity(c)
   s = rl_job.setup(c, (model_cfg, graphdef, params))
@@ -226,14 +214,15 @@ def main():
   for k in ("positions", "uncertain_idx"):
     tb[k] = tb[k].long()
   decay, no_decay = decay_split(ref)
-  print(f"MAR-{a.size}: {sum(v.size for v in sd.values()) / 1e6:.1f}M parameters; batch {a.batch}, M = {a.ar_steps} "
-        f"AR steps x k = {a.diffusion_steps} diffusion steps scored, S = {a.mte_seeds}, top "
-        f"{sc.batch.topk_fraction:.0%}, JAX remat {sc.loss.remat}")
-  agree(ref, s, sd, batch, tb, a.size)
+  if check:
+    print(f"MAR-{a.size}, {seq_len} tokens: {sum(v.size for v in sd.values()) / 1e6:.1f}M parameters; batch "
+          f"{a.batch}, M = {a.ar_steps} AR steps x k = {a.diffusion_steps} diffusion steps scored, S = {a.mte_seeds}, "
+          f"top {sc.batch.topk_fraction:.0%}, JAX remat {sc.loss.remat}")
+    agree(ref, s, sd, batch, tb, model_cfg)
 
   fresh = lambda: jax.tree.map(jnp.copy, s.init_state())
   jax_rows = []
-  for n in buckets:  # (buckets, s / update, compile s, encoder token-passes)
+  for n in buckets:
     update = jax.jit(functools.partial(step_lib.update, s.graphdef, s.tx, s.diff, with_buckets(n)), donate_argnums=0)
     t0 = time.perf_counter()
     jax.block_until_ready(update(fresh(), s.frozen, batch))
@@ -265,7 +254,60 @@ def main():
     t0 = time.perf_counter()
     torch_update()
     times.append(time.perf_counter() - t0)
-  torch_s = float(np.median(times))
+  return jax_rows, float(np.median(times))
+
+
+def growth(a) -> None:
+  """The cost-growth grid: s / update of both over image-token counts x the rollout's AR steps (the update scores
+  ``--ar_steps`` of them), the gradients compared once per token count."""
+  print(f"cost growth: MAR-{a.size}{f' ({a.depth} + {a.depth} blocks)' if a.depth else ''}, batch {a.batch}, "
+        f"M = {a.ar_steps} x k = {a.diffusion_steps} scored, S = {a.mte_seeds}, encoder buckets "
+        f"{a.encoder_buckets.split(',')[-1]}, {a.repeats} timed updates each (median)")
+  rows, cells = [], []
+  for seq_len in [int(x) for x in a.growth_tokens.split(",")]:
+    checked = False
+    for n in [int(x) for x in a.growth_steps.split(",")]:
+      if n > seq_len:
+        rows.append(f"| {seq_len} | {n} | - | - | - | - |")
+        continue
+      jax_rows, torch_s = measure(a, seq_len, n, check=not checked)
+      checked = True
+      _, jax_s, comp, _ = jax_rows[-1]
+      cells.append(dict(tokens=seq_len, ar_steps=n, jax_s=round(jax_s, 3), compile_s=round(comp, 1),
+                        torch_s=round(torch_s, 3), speedup=round(torch_s / jax_s, 3)))
+      rows.append(f"| {seq_len} | {n} | {jax_s:.2f} | {comp:.1f} | {torch_s:.2f} | {torch_s / jax_s:.2f}x |")
+      print(rows[-1], flush=True)
+  print("| image tokens | rollout AR steps | margrpo_jax s / update | compile s | PyTorch s / update | speedup |\n"
+        "|---|---|---|---|---|---|")
+  print("\n".join(rows))
+  print(json.dumps(dict(growth=cells, **conditions())))
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--size", default="base", choices=sorted(class_mar.SIZES))
+  ap.add_argument("--batch", type=int, default=4, help="images per update (prompts x group size)")
+  ap.add_argument("--ar_steps", type=int, default=2, help="scored AR steps M")
+  ap.add_argument("--diffusion_steps", type=int, default=2, help="scored diffusion steps k per AR step")
+  ap.add_argument("--mte_seeds", type=int, default=2, help="MTE trajectories S")
+  ap.add_argument("--sampling_steps", type=int, default=8, help="AR steps of the rollout")
+  ap.add_argument("--respacing", default="25", help="diffusion steps of the rollout")
+  ap.add_argument("--remat", type=int, default=1, help="JAX: recompute each AR step's forward in the backward "
+                  "pass (1, the real-size configs' setting) or keep its activations (0)")
+  ap.add_argument("--encoder_buckets", default=str(loss_lib.LossConfig.encoder_buckets),
+                  help="JAX: MAR's encoder on the known tokens, padded to this many static sizes (0: all positions); "
+                       "comma-separated to time several (the last is checked against PyTorch and reported)")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+  ap.add_argument("--depth", type=int, default=0, help="encoder and decoder blocks each (0: the size's)")
+  ap.add_argument("--growth", action="store_true", help="the cost-growth grid instead (--growth_tokens x "
+                  "--growth_steps, the last --encoder_buckets)")
+  ap.add_argument("--growth_tokens", default="16,64,256")
+  ap.add_argument("--growth_steps", default="8,32,64")
+  a = ap.parse_args()
+  if a.growth:
+    return growth(a)
+  jax_rows, torch_s = measure(a)
   print("conditions:", json.dumps(conditions()))
   print(f"{a.repeats} timed updates each (median), torch threads {torch.get_num_threads()}")
   print("| RL update (loss, backward, clip, AdamW) | s / update | compile s | encoder token-passes |\n|---|---|---|---|")

@@ -299,10 +299,18 @@ def growth(a, diff, labels) -> None:
   print(json.dumps(dict(growth=cells, **conditions())))
 
 
+def growth_args(ap: argparse.ArgumentParser, timed: str) -> None:
+  """The flags both peer benchmarks share: smaller MARs and the cost-growth grid (run at the last ``timed``)."""
+  ap.add_argument("--depth", type=int, default=0, help="encoder and decoder blocks each (0: the size's)")
+  ap.add_argument("--growth", action="store_true", help="the cost-growth grid instead (--growth_tokens x "
+                  f"--growth_steps, the last {timed})")
+  ap.add_argument("--growth_tokens", default="16,64,256")
+  ap.add_argument("--growth_steps", default="8,32,64")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--size", default="base", choices=sorted(class_mar.SIZES))
-  ap.add_argument("--depth", type=int, default=0, help="encoder and decoder blocks each (0: the size's)")
   ap.add_argument("--batch", type=int, default=2)
   ap.add_argument("--num_steps", type=int, default=8)
   ap.add_argument("--diffusion_steps", default="25")
@@ -312,10 +320,7 @@ def main():
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   ap.add_argument("--segments", default="1,4,8", help="this sampler's SamplerConfig.segments to time, comma-separated "
                   "(the last one is the ratio's)")
-  ap.add_argument("--growth", action="store_true", help="the cost-growth grid instead (--growth_tokens x "
-                  "--growth_steps, the last --segments)")
-  ap.add_argument("--growth_tokens", default="16,64,256")
-  ap.add_argument("--growth_steps", default="8,32,64")
+  growth_args(ap, "--segments")
   a = ap.parse_args()
   diff = gaussian.make_diffusion(1000, a.diffusion_steps)
   labels = np.arange(a.batch, dtype=np.int32) % 1000

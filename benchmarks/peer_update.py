@@ -31,7 +31,7 @@ import time
 
 import torch  # noqa: I001 - torch, with the optimizers' dynamo / triton imports, before TensorFlow (else a segfault)
 import torch._dynamo  # noqa: F401
-from peer_sampler import TorchMAR, conditions, paired_models  # sets JAX_PLATFORMS and the project's path
+from peer_sampler import TorchMAR, conditions, growth_args, paired_models  # sets JAX_PLATFORMS and the project's path
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -299,11 +299,7 @@ def main():
                        "comma-separated to time several (the last is checked against PyTorch and reported)")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-  ap.add_argument("--depth", type=int, default=0, help="encoder and decoder blocks each (0: the size's)")
-  ap.add_argument("--growth", action="store_true", help="the cost-growth grid instead (--growth_tokens x "
-                  "--growth_steps, the last --encoder_buckets)")
-  ap.add_argument("--growth_tokens", default="16,64,256")
-  ap.add_argument("--growth_steps", default="8,32,64")
+  growth_args(ap, "--encoder_buckets")
   a = ap.parse_args()
   if a.growth:
     return growth(a)

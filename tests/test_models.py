@@ -55,7 +55,7 @@ def test_encoder_on_the_known_tokens_equals_the_key_masked_one(small_model):
   tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
   order = jnp.stack([jax.random.permutation(jax.random.key(i), seq_len) for i in range(b)])
   mask = jnp.ones((b, seq_len), bool).at[jnp.arange(b)[:, None], order[:, :n_known]].set(False)
-  cond = model.text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
+  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
                                                                              "x"], 12)))
   want = bb(tokens, mask, cond)
   got = bb.decode(*bb.encode_known(tokens, order[:, :k], n_known, cond))  # 11 padded positions

@@ -73,8 +73,7 @@ def test_bucketed_encoder_equals_the_key_masked_one_for_a_traced_mask(small_mode
   b, seq_len = 3, model_cfg.seq_len
   assert S.known_sizes(seq_len, 4) == tuple(-(-seq_len * i // 4) for i in (1, 2, 3, 4))
   tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
-  cond = model.text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
-                                                                             "x"], 12)))
+  cond = model.text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares", "x"], 12)))
   full = jax.jit(lambda m: model.backbone(tokens, m, cond))
   gathered = jax.jit(lambda m: S.latents(model, tokens, m, cond, buckets=4))
   for n in (0, 1, seq_len // 4, seq_len // 4 + 1, seq_len - 1, seq_len):

@@ -194,7 +194,8 @@ def measure(a, seq_len: int = 256, sampling_steps: int | None = None, check: boo
   c.mode = "rl"
   c.rl.fidelity = "official"
   c.rl.update(group_size=2, prompts_per_iter=a.batch // 2, num_ar_steps=a.ar_steps,
-              num_diffusion_steps=a.diffusion_steps, mte_seeds=a.mte_seeds, remat=bool(a.remat))
+              num_diffusion_steps=a.diffusion_steps, mte_seeds=a.mte_seeds, remat=a.remat > 0,
+              remat_ar_steps=a.remat == 1)
   c.sampling.update(num_steps=sampling_steps or a.sampling_steps, diffusion_steps=a.respacing)
   c.parallel.mesh.update(data=1, fsdp=1, tensor=1)
   rl_config.resolve_fidelity(c)
@@ -217,7 +218,7 @@ def measure(a, seq_len: int = 256, sampling_steps: int | None = None, check: boo
   if check:
     print(f"MAR-{a.size}, {seq_len} tokens: {sum(v.size for v in sd.values()) / 1e6:.1f}M parameters; batch "
           f"{a.batch}, M = {a.ar_steps} AR steps x k = {a.diffusion_steps} diffusion steps scored, S = {a.mte_seeds}, "
-          f"top {sc.batch.topk_fraction:.0%}, JAX remat {sc.loss.remat}")
+          f"top {sc.batch.topk_fraction:.0%}, JAX remat {sc.loss.remat} (whole AR steps: {sc.loss.remat_ar_steps})")
     agree(ref, s, sd, batch, tb, model_cfg)
 
   fresh = lambda: jax.tree.map(jnp.copy, s.init_state())
@@ -292,8 +293,10 @@ def main():
   ap.add_argument("--mte_seeds", type=int, default=2, help="MTE trajectories S")
   ap.add_argument("--sampling_steps", type=int, default=8, help="AR steps of the rollout")
   ap.add_argument("--respacing", default="25", help="diffusion steps of the rollout")
-  ap.add_argument("--remat", type=int, default=1, help="JAX: recompute each AR step's forward in the backward "
-                  "pass (1, the real-size configs' setting) or keep its activations (0)")
+  ap.add_argument("--remat", type=int, default=1, choices=(0, 1, 2), help="JAX: recompute each AR step, each block "
+                  "and each diffusion step in the backward pass (1, rl.remat: the real-size configs' setting), only "
+                  "each block and diffusion step (2, rl.remat_ar_steps=False) or keep every activation, as the "
+                  "PyTorch structure does (0)")
   ap.add_argument("--encoder_buckets", default=str(loss_lib.LossConfig.encoder_buckets),
                   help="JAX: MAR's encoder on the known tokens, padded to this many static sizes (0: all positions); "
                        "comma-separated to time several (the last is checked against PyTorch and reported)")

@@ -67,7 +67,7 @@ ADDED_KEYS = {"rl.export_interpolation": 1.0, "rl.elbo_rows": 0, "rl.elbo_draws"
               "rl.rollout_policy": "policy", "rl.flow_noise_level": 0.7, "rl.diversity_bonus": 0.0,
               "rl.rollout_cfg_scale": 0.0, "rl.rollout_temperature": 0.0, "rl.lora.rank": 0, "rl.lora.alpha": 0.0,
               "rl.lora.targets": lora.DEFAULT_TARGETS, "rl.rollout_prompts": 0, "rl.augment": "none",
-              "rl.diversity_floor": 0.0, "rl.frozen_dtype": "float32"}
+              "rl.diversity_floor": 0.0, "rl.frozen_dtype": "float32", "rl.remat_ar_steps": True}
 # Keys removed from the schema, each with the value at which a recorded run computed what today's code does.
 REMOVED_KEYS = {"rl.debug_nan_iter": -1}
 # Keys moved in the schema: a run recorded under the old name resumes (the official code's switches moved into the

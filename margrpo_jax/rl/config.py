@@ -174,7 +174,8 @@ def step_config(config, model_cfg=None) -> step_lib.StepConfig:
   lcfg = loss_lib.LossConfig(beta=rl.beta, clip_eps=rl.clip_eps, ratio=o.ratio, kl=o.kl,
                              channel_reduction=rl.channel_reduction, cfg_in_loss=o.cfg_in_loss,
                              temperature=config.sampling.temperature, clip_denoised=float(config.sampling.clip_denoised),
-                             remat=rl.remat, sigma_grad=o.sigma_grad, mte_actual=o.mte_actual,
+                             remat=rl.remat, remat_ar_steps=rl.remat_ar_steps,
+                             sigma_grad=o.sigma_grad, mte_actual=o.mte_actual,
                              logp=est_logp, logp_bf16=bool(o.logp_bf16))
   steps = (int(config.sampling.diffusion_steps) if is_flow else
            gaussian.make_diffusion(1000, config.sampling.diffusion_steps).num_steps)

@@ -50,6 +50,8 @@ class LossConfig:
   temperature: float = 1.0
   clip_denoised: float = 5.0        # clip radius of x0_hat (the sampler's; 0 = none)
   remat: bool = False               # recompute each AR step's forward in the backward pass (real sizes)
+  remat_ar_steps: bool = True       # with remat: each scored AR step checkpointed as a whole around its blocks' and
+                                    # head steps' checkpoints (memory of one step, not M; one more forward)
   sigma_grad: bool = True           # the policy's sigma(z) differentiable in both the log-prob and the KL | both
                                     # detached (official: the rollout's sigma, gradient through the mean only)
   mte_actual: str = "keep"          # a decoded token in U: 'keep' its own chain's estimate | 'include' it in the
@@ -237,8 +239,8 @@ def loss_fn(model, diff, cfg: LossConfig, batch: TrainBatch, steps=None, norm=No
   cond = model.condition(batch.ids)
   null = model.null_condition(batch.ids.shape[0])
   terms = lambda i: step_terms(model, diff, cfg, batch, i, cond, null)  # one backbone forward each
-  if cfg.remat:  # keep only each step's inputs for the backward pass: activation memory of one AR step
-    terms = jax.checkpoint(terms)
+  if cfg.remat and cfg.remat_ar_steps:  # keep only each step's inputs for the backward pass: the memory of one AR
+    terms = jax.checkpoint(terms)        # step, at one more backbone forward (the step's, then each block's recompute)
   with layers.remat_blocks(cfg.remat):  # ... and, inside it, of one transformer block
     if steps is None:  # all M steps: a scan, so the program holds one backbone, not M
       tot, _ = jax.lax.scan(lambda acc, i: (jax.tree.map(jnp.add, acc, terms(i)), None), terms(0),

@@ -48,6 +48,8 @@ def main():
   train_recs, _ = rl_prompts.load(config, s.model_cfg, a.tfds_dir)
   family = families.get(s.model_cfg.family)
   state = s.init_state()
+  update_rows = config.rl.group_size * config.rl.prompts_per_iter  # the images the update scores (jobs/rl.py)
+  update_rows += update_rows // 4 if config.rl.pretrain_mix else 0  # ... with the rendered quarter-batch
   rows = []
   for it in range(a.iters + 1):
     t = {}  # the rollout as the job runs it (sampling, decoding, rewards), then its parts on the same prompts
@@ -62,17 +64,18 @@ def main():
     t0 = time.perf_counter()
     state, m, _ = rl_job.iteration(config, s, state, train_recs, it)
     t["iteration"] = time.perf_counter() - t0
-    t["update"] = len(ro["reward"]) / m["update_images_per_s"]
+    t["update"] = update_rows / m["update_images_per_s"]
     rows.append(t)
     print(f"iteration {it}{' (compiles)' if it == 0 else ''}: " + ", ".join(f"{k} {v:.2f} s" for k, v in t.items()),
           flush=True)
   mean = {k: float(np.mean([r[k] for r in rows[1:]])) for k in rows[0]}
-  images = config.rl.group_size * (config.rl.rollout_prompts or config.rl.prompts_per_iter)
-  print(f"\n{config.rl.estimator}, {images} images per iteration, mean of {a.iters} iterations:")
+  drawn = config.rl.group_size * (config.rl.rollout_prompts or config.rl.prompts_per_iter)
+  print(f"\n{config.rl.estimator}, {drawn} images drawn per iteration, mean of {a.iters} iterations (the rollout "
+        "holds sampling, decode and rewards):")
   print("| part | s / iteration | share of the iteration |\n|---|---|---|")
   for k, v in mean.items():
     print(f"| {k} | {v:.3f} | {v / mean['iteration']:.0%} |")
-  print(json.dumps(dict(images_per_iteration=images, seconds={k: round(v, 4) for k, v in mean.items()},
+  print(json.dumps(dict(images_per_iteration=drawn, seconds={k: round(v, 4) for k, v in mean.items()},
                         cpu_count=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend(),
                         xla_flags=os.environ.get("XLA_FLAGS", ""))))
 

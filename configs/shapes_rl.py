@@ -152,7 +152,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                   # (memory; real sizes)
       remat_ar_steps=True,        # with remat: False drops the checkpoint around each whole scored AR step (its blocks
                                   # and head steps still recomputed): the block inputs of all M steps held instead of
-                                  # one step's, one backbone forward fewer (an update 1.24x faster, docs/reference.md)
+                                  # one step's, one backbone forward fewer (an update 1.32x faster, docs/reference.md)
       compute_dtype="float32",    # 'bfloat16': every layer but the diffusion head computes in bf16 (rollout, update
                                   # and eval); params, grads, optimizer state and log-probs stay float32
                                   # (models/precision.py)

@@ -55,8 +55,8 @@ def test_encoder_on_the_known_tokens_equals_the_key_masked_one(small_model):
   tokens = jax.random.uniform(jax.random.key(1), (b, seq_len, model_cfg.token_dim), minval=-1, maxval=1)
   order = jnp.stack([jax.random.permutation(jax.random.key(i), seq_len) for i in range(b)])
   mask = jnp.ones((b, seq_len), bool).at[jnp.arange(b)[:, None], order[:, :n_known]].set(False)
-  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(text.tokenize(["a red circle", "two cyan squares",
-                                                                             "x"], 12)))
+  prompts = text.tokenize(["a red circle", "two cyan squares", "x"], 12)
+  cond = nnx.merge(graphdef, params).text_encoder(jnp.asarray(prompts))
   want = bb(tokens, mask, cond)
   got = bb.decode(*bb.encode_known(tokens, order[:, :k], n_known, cond))  # 11 padded positions
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

@@ -138,8 +138,8 @@ def latents(model, tokens, mask, cond, buckets: int = 0) -> jax.Array:
   canvases). With ``buckets > 0`` and a backbone that :func:`gathers_known` (MAR's) the encoder runs, as the
   official code's, on the buffer and the known tokens only: gathered in position order and padded (key-masked)
   to the smallest of :func:`known_sizes` that holds the fullest row's count ``n``, one ``lax.switch`` branch per
-  size. Work:
-  ``buffer + n + L / buckets`` encoder tokens at most, against ``buffer + L``; the same latents to float rounding."""
+  size. Work: ``buffer + n + L / buckets`` encoder tokens at most, against ``buffer + L``; the same latents to float
+  rounding."""
   bb = model.backbone
   if not buckets or not gathers_known(model):
     return bb(tokens, mask, cond)

@@ -90,6 +90,13 @@ CELLS = {
     "image_elbo_lr2e4": Cell("image_elbo", (("optim.lr", 2e-4),), "image ELBO, A >= 0, lr 2e-4"),
     "image_elbo_ptx": Cell("image_elbo", (("rl.pretrain_mix", 1.0),),
                            "image ELBO, A >= 0, + rendered train images at weight 1 (PPO-ptx)"),
+    # the update alone: rollout weights clipped to 1e-6, so only the rendered train images move the policy (Adam's
+    # travel at the matched number of steps on pretraining data; its shuffled control is the same run)
+    "image_elbo_rendered": Cell("image_elbo", (("rl.pretrain_mix", 1.0), ("rl.adv_clip", 1e-6)),
+                                "rendered train images only (rollout weights <= 1e-6): the update without a reward"),
+    "image_elbo_rendered_lr3e5": Cell("image_elbo", (("rl.pretrain_mix", 1.0), ("rl.adv_clip", 1e-6),
+                                                     ("optim.lr", 3e-5)),
+                                      "rendered train images only, lr 3e-5 (the chain cells' rate)"),
     # h. the drift's mechanism and the rollouts' guidance scale (rl.rollout_cfg_scale; every export is read at
     #    CFG 3, the main job's rollouts too). Drawn with CFG 3 the images are not the conditional model's own
     #    samples, so training the conditional on them might distil the guidance into it; drawn without guidance

@@ -75,6 +75,8 @@ CELLS = {
     "chain_positive": Cell("focused", (("rl.positive_only", True),), "chain, decoded tokens, A >= 0"),
     "chain_ppo": Cell("focused", (("rl.num_inner", 2), ("rl.num_minibatches", 2)),
                       "chain, decoded tokens, 4 PPO steps per rollout"),
+    "chain_ppo_clip05": Cell("focused", (("rl.num_inner", 2), ("rl.num_minibatches", 2), ("rl.clip_eps", 0.05)),
+                             "chain, decoded tokens, 4 PPO steps per rollout, ratio clipped to [0.95, 1.05]"),
     # d. token ELBO with q-MTE
     "token_elbo": Cell("token_elbo", (), "token ELBO, q-MTE, both signs"),
     "token_elbo_positive": Cell("token_elbo", (("rl.positive_only", True),), "token ELBO, q-MTE, A >= 0"),

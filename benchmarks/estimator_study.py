@@ -54,6 +54,7 @@ class Cell:
 
 
 OFFICIAL = (("rl.fidelity", "official"), ("rl.official_except", "diffusion_window"))  # + only the window fix
+PPO4 = (("rl.num_inner", 2), ("rl.num_minibatches", 2))  # 2 passes x 2 minibatches: 4 optimizer steps per rollout
 CELLS = {
     # a. the paper's ladder under fidelity=official (only the diffusion-window fix), matched budget
     "grpo_official": Cell("grpo", OFFICIAL,
@@ -73,9 +74,8 @@ CELLS = {
                                     "chain, decoded tokens, KL 0.04, lr 1e-5"),
     # c. positive-only chain; a trust region that acts
     "chain_positive": Cell("focused", (("rl.positive_only", True),), "chain, decoded tokens, A >= 0"),
-    "chain_ppo": Cell("focused", (("rl.num_inner", 2), ("rl.num_minibatches", 2)),
-                      "chain, decoded tokens, 4 PPO steps per rollout"),
-    "chain_ppo_clip05": Cell("focused", (("rl.num_inner", 2), ("rl.num_minibatches", 2), ("rl.clip_eps", 0.05)),
+    "chain_ppo": Cell("focused", PPO4, "chain, decoded tokens, 4 PPO steps per rollout"),
+    "chain_ppo_clip05": Cell("focused", PPO4 + (("rl.clip_eps", 0.05),),
                              "chain, decoded tokens, 4 PPO steps per rollout, ratio clipped to [0.95, 1.05]"),
     # d. token ELBO with q-MTE
     "token_elbo": Cell("token_elbo", (), "token ELBO, q-MTE, both signs"),

@@ -2,7 +2,7 @@
 
 A cell is a preset of configs/shapes_rl.py plus overrides; a misspelt key or an out-of-range value would only surface
 when its run starts, minutes into a sweep. Here each cell's config, real and shuffled, passes the job's own checks
-(``validate.check``: keys, ranges, options, the base, the prompts) and trains for a positive number of iterations.
+(``validate.check``: keys, ranges, options, the base, the prompts) and spends exactly the study's image budget.
 """
 
 from __future__ import annotations
